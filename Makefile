@@ -1,0 +1,46 @@
+# kfac-bench developer entry points. Every target sets up .venv on first use (no manual step).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PIP_INSTALL := $(BIN)/pip install --disable-pip-version-check -q -c constraints.txt
+
+.DEFAULT_GOAL := help
+.PHONY: help setup train test test-fast test-slow lint format bench clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP_INSTALL) -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)  ## create .venv and install kfac-bench (editable) with its dev extra
+
+train: $(STAMP)  ## run the main job: the bundled default (digits CNN, SGD + K-FAC, CPU)
+	$(BIN)/kfac-bench train
+
+lint: $(STAMP)  ## ruff (lint + format check) and mypy on the library
+	$(BIN)/ruff check kfac_bench tests benchmarks
+	$(BIN)/ruff format --check kfac_bench tests benchmarks
+	$(BIN)/mypy kfac_bench/kfac
+
+test-fast: $(STAMP)  ## the fast suite only (no lint, no smoke recipes)
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)  ## the recipe smoke runs (pytest -m slow)
+	$(BIN)/python -m pytest -q -m slow
+
+test: lint $(STAMP)  ## lint, then the whole suite: fast tests and recipe smoke runs
+	$(BIN)/python -m pytest -q -m "not gpu"
+
+bench: $(STAMP)  ## K-FAC overhead benchmark (CPU): step-time ratios K-FAC/SGD with stage breakdown
+	$(BIN)/python -m benchmarks.overhead
+
+format: $(STAMP)  ## apply ruff's formatter and import sorting
+	$(BIN)/ruff check --fix kfac_bench tests benchmarks
+	$(BIN)/ruff format kfac_bench tests benchmarks
+
+clean:  ## remove the virtual environment and caches
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

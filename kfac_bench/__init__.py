@@ -1,0 +1,1 @@
+"""kfac-bench: distributed K-FAC engine and benchmark harness."""

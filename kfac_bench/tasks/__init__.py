@@ -1,0 +1,1 @@
+"""Tasks: what one training step computes and how a model is evaluated, per benchmark family."""
