@@ -1,0 +1,1 @@
+"""Dataset builders that read each benchmark's real on-disk format."""

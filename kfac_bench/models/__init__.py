@@ -1,0 +1,1 @@
+"""Model builders for each benchmark family."""
