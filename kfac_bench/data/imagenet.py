@@ -1,0 +1,133 @@
+"""ImageNet-1k in the class-folder layout (``<root>/{train,val}/<wnid>/*.JPEG``), or synthetic.
+
+Reading is torchvision's ``ImageFolder``: class index = position of the folder name in the sorted
+list of class folders. Because that index is computed per split, this module checks that ``train/``
+and ``val/`` hold the same class folders (otherwise validation labels would silently shift), and
+reports a missing or malformed tree (e.g. the flat validation release, 50,000 JPEGs directly in
+``val/``) as a :class:`~kfac_bench.errors.DatasetError` naming the path and the expected layout.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+from torchvision.datasets import ImageFolder
+from torchvision.datasets.folder import IMG_EXTENSIONS
+
+from kfac_bench.data.synthetic import SyntheticImages
+from kfac_bench.data.transforms import imagenet_transform
+from kfac_bench.errors import DatasetError
+
+__all__ = ["build_imagenet", "imagenet_classes"]
+
+EXPECTED_LAYOUT = (
+    "<root>/train/<wnid>/*.JPEG and <root>/val/<wnid>/*.JPEG: one folder per class, "
+    "the same class folders in both splits"
+)
+HOW_TO_GET = (
+    "Extract ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar (image-net.org) and sort "
+    "val/ into class folders (e.g. with the common valprep.sh), or set dataset.synthetic=true "
+    "to run on random data"
+)
+
+_SPLIT_SIZES = {True: 1_281_167, False: 50_000}
+
+
+def _split_dir(root: Path, train: bool) -> Path:
+    return root / ("train" if train else "val")
+
+
+def imagenet_classes(split_dir: str | os.PathLike[str]) -> list[str]:
+    """Sorted class-folder names of one split; raises DatasetError if there are none.
+
+    Args:
+        split_dir: ``<root>/train`` or ``<root>/val``.
+    """
+    path = Path(split_dir)
+    if not path.is_dir():
+        raise DatasetError(path, EXPECTED_LAYOUT, HOW_TO_GET)
+    classes = sorted(e.name for e in os.scandir(path) if e.is_dir() and not e.name.startswith("."))
+    if not classes:
+        loose = sum(1 for e in os.scandir(path) if e.name.lower().endswith(IMG_EXTENSIONS))
+        found = (
+            f"{loose} image files directly in it and no class folders"
+            if loose
+            else "no class folders"
+        )
+        raise DatasetError(path, f"{EXPECTED_LAYOUT}; found {found}", HOW_TO_GET)
+    return classes
+
+
+def _check_same_classes(root: Path, train: bool, classes: list[str]) -> None:
+    other = _split_dir(root, not train)
+    if not other.is_dir():
+        return  # the other split is optional (e.g. a train-only throughput tree)
+    other_classes = imagenet_classes(other)
+    if other_classes != classes:
+        only_here = sorted(set(classes) - set(other_classes))[:3]
+        only_there = sorted(set(other_classes) - set(classes))[:3]
+        raise DatasetError(
+            root,
+            f"{EXPECTED_LAYOUT}; train/ and val/ differ ({len(classes)} vs {len(other_classes)} "
+            f"classes, e.g. only in {_split_dir(root, train).name}/: {only_here}, "
+            f"only in {other.name}/: {only_there})",
+        )
+
+
+def build_imagenet(
+    root: str | os.PathLike[str] | None = None,
+    train: bool = True,
+    augment: bool = True,
+    synthetic: bool = False,
+    image_size: int = 224,
+    resize_size: int | None = None,
+    synthetic_length: int | None = None,
+    num_classes: int = 1000,
+    seed: int = 0,
+) -> Dataset[tuple[torch.Tensor, int]]:
+    """Build one split of ImageNet (Hydra ``_target_``).
+
+    Items are ``(image, label)``: float32 ``(3, image_size, image_size)`` normalised with the
+    ImageNet mean/std, and the class index (sorted wnid order). Train with ``augment``:
+    RandomResizedCrop + horizontal flip; validation (or ``augment=False``): Resize(``resize_size``)
+    + CenterCrop.
+
+    Args:
+        root: directory holding ``train/`` and ``val/`` (ignored when ``synthetic``).
+        train: ``train/`` split, else ``val/``.
+        augment: random augmentation on the train split.
+        synthetic: random tensors of the same shape instead of files.
+        image_size: output side (224 in the papers; smoke runs use e.g. 64).
+        resize_size: shorter side before the centre crop; default ``round(image_size * 256 / 224)``.
+        synthetic_length: synthetic split size; default the real one (1,281,167 / 50,000).
+        num_classes: label range of the synthetic data (the real data takes it from the folders).
+        seed: seed of the synthetic data.
+
+    Returns:
+        A ``torchvision.datasets.ImageFolder`` (with ``.classes``, ``.targets``) or a
+        :class:`~kfac_bench.data.synthetic.SyntheticImages`.
+
+    Raises:
+        DatasetError: missing root/split, no class folders, an empty class folder, or train/ and
+            val/ with different class folders.
+    """
+    if synthetic:
+        length = synthetic_length or _SPLIT_SIZES[train]
+        shape = (3, image_size, image_size)
+        return SyntheticImages(length, shape, num_classes, seed=seed + (0 if train else 1))
+    if root is None or str(root) == "":
+        raise DatasetError("<unset dataset.root>", EXPECTED_LAYOUT, HOW_TO_GET)
+    root_path = Path(root).expanduser()
+    if not root_path.is_dir():
+        raise DatasetError(root_path, EXPECTED_LAYOUT, HOW_TO_GET)
+    split = _split_dir(root_path, train)
+    classes = imagenet_classes(split)
+    _check_same_classes(root_path, train, classes)
+    transform = imagenet_transform(train, augment, image_size, resize_size)
+    try:
+        return ImageFolder(str(split), transform=transform)
+    except FileNotFoundError as exc:  # a class folder without any image file
+        raise DatasetError(split, f"{EXPECTED_LAYOUT}; {exc}", HOW_TO_GET) from exc
