@@ -1,0 +1,183 @@
+"""Collectives for distributed K-FAC over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
+
+Three kinds of traffic (PAPER.md §2.1, §2.3):
+    * batch factors averaged across ranks (all-reduce, or reduce to the rank that decomposes them), in
+      buckets of at most ``bucket_cap_mb``, optionally as packed upper triangles and in a lower precision;
+    * decompositions broadcast inside a layer's gradient-worker block on decomposition steps;
+    * preconditioned gradients broadcast inside receiver groups every step when ``m < world``.
+
+Every rank issues the same collectives in the same order (the order of the preconditioner's layer list),
+which is what makes asynchronous launch safe. ``counts`` tallies collectives by kind for tests and metrics.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .assignment import LayerWork
+
+
+def world_info(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """(world size, rank); (1, 0) when torch.distributed is not initialised."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group), dist.get_rank(group)
+    return 1, 0
+
+
+def pack_triu(t: torch.Tensor) -> torch.Tensor:
+    """The upper triangle (diagonal included) of a symmetric matrix, flattened: n(n+1)/2 values."""
+    i, j = torch.triu_indices(t.shape[0], t.shape[1], device=t.device)
+    return t[i, j]
+
+
+def unpack_triu(v: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_triu` for a symmetric n×n matrix."""
+    out = v.new_empty(n, n)
+    i, j = torch.triu_indices(n, n, device=v.device)
+    out[i, j] = v
+    out[j, i] = v
+    return out
+
+
+@dataclass
+class _Bucket:
+    keys: list[str] = field(default_factory=list)
+    dst: int | None = None  # None: all-reduce
+    numel: int = 0
+
+
+class Communicator:
+    """Process groups and collectives for one preconditioner."""
+
+    def __init__(
+        self,
+        plan: dict[str, LayerWork],
+        bucket_cap_mb: float = 25.0,
+        symmetry_aware: bool = False,
+        comm_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.world_size, self.rank = world_info()
+        self.bucket_cap_mb = bucket_cap_mb
+        self.symmetry_aware = symmetry_aware
+        self.comm_dtype = comm_dtype
+        self.counts: Counter[str] = Counter()
+        self._block_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        self._recv_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        self.set_plan(plan)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def set_plan(self, plan: dict[str, LayerWork]) -> None:
+        """Create (once) the block and receiver groups the plan needs. Collective: every rank calls it."""
+        if not self.distributed or not plan:
+            return
+        m = len(next(iter(plan.values())).grad_workers)
+        blocks = [tuple(range(b, b + m)) for b in range(0, self.world_size, m)]
+        recvs = [tuple(range(j, self.world_size, m)) for j in range(m)]
+        for ranks in blocks:
+            if ranks not in self._block_groups:
+                self._block_groups[ranks] = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+        for ranks in recvs:
+            if ranks not in self._recv_groups:
+                self._recv_groups[ranks] = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+
+    # ---------------------------------------------------------------- factors
+    def reduce_factors(
+        self, items: Sequence[tuple[str, torch.Tensor, int | None]]
+    ) -> dict[str, torch.Tensor]:
+        """Average symmetric factors across ranks, in buckets.
+
+        Args:
+            items: ``(key, factor, dst)`` in the same order on every rank; ``dst=None`` all-reduces,
+                an int reduces to that rank only.
+
+        Returns:
+            ``key -> averaged factor`` for every all-reduced item and every item whose ``dst`` is this rank.
+        """
+        if not self.distributed:
+            return {k: t for k, t, _ in items}
+        cap = self.bucket_cap_mb * 2**20
+        buckets: list[_Bucket] = []
+        tensors = {k: t for k, t, _ in items}
+        for key, t, dst in items:
+            numel = t.shape[0] * (t.shape[0] + 1) // 2 if self.symmetry_aware else t.numel()
+            b = buckets[-1] if buckets else None
+            size = (b.numel + numel) * t.element_size() if b else 0
+            if b is None or b.dst != dst or (b.keys and size > cap):
+                b = _Bucket(dst=dst)
+                buckets.append(b)
+            b.keys.append(key)
+            b.numel += numel
+        pending = [(b, *self._launch(b, tensors)) for b in buckets]
+        out: dict[str, torch.Tensor] = {}
+        for b, flat, work in pending:
+            work.wait()
+            if b.dst is not None and b.dst != self.rank:
+                continue
+            flat = flat.to(tensors[b.keys[0]].dtype) / self.world_size
+            offset = 0
+            for key in b.keys:
+                t = tensors[key]
+                n = t.shape[0] * (t.shape[0] + 1) // 2 if self.symmetry_aware else t.numel()
+                part = flat[offset : offset + n]
+                offset += n
+                out[key] = unpack_triu(part, t.shape[0]) if self.symmetry_aware else part.view_as(t)
+        return out
+
+    def _launch(
+        self, b: _Bucket, tensors: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dist.Work]:
+        parts = [
+            pack_triu(tensors[k]) if self.symmetry_aware else tensors[k].reshape(-1) for k in b.keys
+        ]
+        flat = torch.cat(parts)
+        if self.comm_dtype is not None:
+            flat = flat.to(self.comm_dtype)
+        if b.dst is None:
+            self.counts["factor_allreduce"] += 1
+            work = dist.all_reduce(flat, async_op=True)
+        else:
+            self.counts["factor_reduce"] += 1
+            work = dist.reduce(flat, dst=b.dst, async_op=True)
+        assert work is not None
+        return flat, work
+
+    # ---------------------------------------------------------------- broadcasts
+    def broadcast_in_block(
+        self, tensors: Sequence[torch.Tensor], src: int, block: tuple[int, ...]
+    ) -> list[dist.Work]:
+        """Start broadcasting ``tensors`` (in place) from ``src`` to the other ranks of ``block``."""
+        group = self._block_groups.get(block)
+        if group is None:
+            return []
+        self.counts["decomposition_broadcast"] += 1
+        return [self._bcast(t, src, group) for t in tensors]
+
+    def broadcast_grad(self, grad: torch.Tensor, work: LayerWork) -> list[dist.Work]:
+        """Start broadcasting a preconditioned gradient from this rank's receiver-group gradient worker."""
+        m = len(work.grad_workers)
+        if not self.distributed or m == self.world_size:
+            return []
+        j = self.rank % m
+        ranks = tuple(range(j, self.world_size, m))
+        src = work.grad_workers[j]
+        self.counts["grad_broadcast"] += 1
+        return [self._bcast(grad, src, self._recv_groups[ranks])]
+
+    def _bcast(self, t: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> dist.Work:
+        work = dist.broadcast(t, src=src, group=group, async_op=True)
+        assert work is not None
+        return work
+
+    def broadcast_from(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """Synchronous world broadcast (used for checkpoints only)."""
+        if self.distributed:
+            dist.broadcast(t, src=src)
+        return t

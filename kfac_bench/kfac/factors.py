@@ -1,0 +1,62 @@
+"""Kronecker factors from their unnormalised sums: the two scaling conventions and the running average.
+
+Notation (per layer): ``N`` examples, ``T`` positions per example, rows ``a`` (input, bias 1 appended) and
+``g`` (gradient of the *loss* w.r.t. the layer output, as autograd delivers it). For a loss that is the mean
+over the batch (and divided by ``accumulation_steps`` when accumulating), ``g = δ / N_total`` where ``δ`` is
+the gradient of the per-example loss.
+
+``'per_example'`` (SC20/TPDS ResNet code; textbook K-FAC and KFC, Grosse & Martens 2016):
+    A = (1/N) Σₙ Σₜ a aᵀ                  (KFC's Ω: summed over positions)
+    G = (1/N) Σₙ (1/T) Σₜ δ δᵀ = (N/T) Σ g gᵀ   (KFC's Γ: averaged over positions)
+    For Linear without extra dimensions (T = 1) these are E[a aᵀ] and E[δ δᵀ] (PAPER.md eq. for F̂ᵢ).
+    The SC20 code splits the same Kronecker product A ⊗ G differently for convolutions (A/T², G·T²); the
+    eigen method depends only on the product, so its results are identical.
+
+``'kaisa'`` (KAISA-era code, used for the Mask R-CNN and BERT results; kfac-pytorch ``get_cov``):
+    A = (1/(N·T)) Σ a aᵀ · s,   G = (1/(N·T)) Σ g gᵀ · s,   with s = 1/T² for convolutions, 1 for Linear
+    (every token a row, no position normalisation). G carries no batch-size rescaling, so it depends on the
+    (local) batch size: a damping tuned under one convention does not transfer to the other.
+
+Both are sums over rows divided by counts, so splitting a batch into accumulated micro-batches (with the loss
+divided by their number) gives the same factors as one pass over the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .options import FactorScaling
+
+
+def contribution_weight(scaling: FactorScaling, is_g: bool, spatial: bool, positions: int) -> float:
+    """Weight of one micro-batch's Σ r rᵀ in the factor's accumulated sum."""
+    if scaling is FactorScaling.PER_EXAMPLE:
+        return 1.0 / positions if is_g else 1.0
+    return 1.0 / positions**2 if spatial else 1.0
+
+
+def contribution_count(scaling: FactorScaling, examples: int, positions: int) -> int:
+    """What one micro-batch adds to the factor's normalising count (examples, or rows)."""
+    return examples if scaling is FactorScaling.PER_EXAMPLE else examples * positions
+
+
+def normalise(total: torch.Tensor, count: int, scaling: FactorScaling, is_g: bool) -> torch.Tensor:
+    """The batch factor from its accumulated weighted sum and count (see the module docstring)."""
+    if scaling is FactorScaling.PER_EXAMPLE and is_g:
+        return total * count
+    return total / count
+
+
+def running_average(
+    running: torch.Tensor | None, batch: torch.Tensor, decay: float
+) -> torch.Tensor:
+    """``decay·running + (1-decay)·batch``; the first update starts from the identity.
+
+    This is the reference code's convention (keep ``decay`` of the old average), not the paper's
+    equation, which is written the other way round (PAPER.md §1.1). A non-finite ``batch`` leaves the
+    running factor unchanged (decided on the device, without a host synchronisation).
+    """
+    if running is None:
+        running = torch.eye(batch.shape[0], dtype=batch.dtype, device=batch.device)
+    updated = running * decay + batch * (1.0 - decay)
+    return torch.where(torch.isfinite(batch).all(), updated, running)

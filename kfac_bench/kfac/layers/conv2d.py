@@ -1,0 +1,69 @@
+"""nn.Conv2d: the input factor from patches (KFC, Grosse & Martens 2016), without materialising them.
+
+Stride, dilation, zero padding (including ``padding='same'`` with its asymmetric split for even kernels) and
+the non-zero padding modes are handled exactly. Grouped and depthwise convolutions are skipped (their Fisher
+block is block-diagonal per group, which this handler does not model) rather than preconditioned wrongly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import Gram, set_weight_bias_grad, weight_bias_grad
+from .conv_factor import conv2d_a_factor
+
+
+class Conv2dHandler:
+    """K-FAC contribution of ``nn.Conv2d``: ``N`` examples, ``T = out_h·out_w`` positions.
+
+    The input rows are the patches ``p`` (length ``C·kh·kw``, ordered like ``weight.reshape(out, -1)``),
+    the output rows are the per-position output gradients (length ``out_channels``).
+    """
+
+    spatial = True
+
+    def unsupported_reason(self, module: nn.Module) -> str | None:
+        assert isinstance(module, nn.Conv2d)
+        if module.groups != 1:
+            return f"grouped convolution (groups={module.groups}) is not supported"
+        return None
+
+    def a_gram(self, module: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> Gram:
+        assert isinstance(module, nn.Conv2d)
+        if x.dim() == 3:
+            x = x.unsqueeze(0)
+        x = x.to(dtype)
+        # F.pad order: (left, right, top, bottom); nn.Conv2d stores it for every padding kind.
+        left, right, top, bottom = module._reversed_padding_repeated_twice
+        if module.padding_mode != "zeros":
+            x = F.pad(x, (left, right, top, bottom), mode=module.padding_mode)
+            left = right = top = bottom = 0
+        kh, kw = module.kernel_size
+        sh, sw = module.stride
+        dh, dw = module.dilation
+        out_h = (x.shape[2] + top + bottom - dh * (kh - 1) - 1) // sh + 1
+        out_w = (x.shape[3] + left + right - dw * (kw - 1) - 1) // sw + 1
+        a = conv2d_a_factor(
+            x,
+            kernel_size=(kh, kw),
+            stride=(sh, sw),
+            padding=(top, bottom, left, right),
+            dilation=(dh, dw),
+            bias=module.bias is not None,
+        )
+        return Gram(a, x.shape[0], out_h * out_w)
+
+    def g_gram(self, module: nn.Module, g: torch.Tensor, dtype: torch.dtype) -> Gram:
+        if g.dim() == 3:
+            g = g.unsqueeze(0)
+        g = g.to(dtype)
+        gram = torch.tensordot(g, g, dims=([0, 2, 3], [0, 2, 3]))
+        return Gram(gram, g.shape[0], g.shape[2] * g.shape[3])
+
+    def grad(self, module: nn.Module) -> torch.Tensor | None:
+        return weight_bias_grad(module)
+
+    def set_grad(self, module: nn.Module, grad: torch.Tensor) -> None:
+        set_weight_bias_grad(module, grad)
