@@ -44,6 +44,15 @@ def unpack_triu(v: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
+def _new_group(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+    """A process group of ``ranks`` (None for a single rank: nothing to send)."""
+    if len(ranks) == 1:
+        return None
+    group = dist.new_group(list(ranks))
+    assert isinstance(group, dist.ProcessGroup)
+    return group
+
+
 @dataclass
 class _Bucket:
     keys: list[str] = field(default_factory=list)
@@ -83,10 +92,10 @@ class Communicator:
         recvs = [tuple(range(j, self.world_size, m)) for j in range(m)]
         for ranks in blocks:
             if ranks not in self._block_groups:
-                self._block_groups[ranks] = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+                self._block_groups[ranks] = _new_group(ranks)
         for ranks in recvs:
             if ranks not in self._recv_groups:
-                self._recv_groups[ranks] = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+                self._recv_groups[ranks] = _new_group(ranks)
 
     # ---------------------------------------------------------------- factors
     def reduce_factors(
@@ -140,11 +149,10 @@ class Communicator:
         flat = torch.cat(parts)
         if self.comm_dtype is not None:
             flat = flat.to(self.comm_dtype)
+        self.counts["factor_allreduce" if b.dst is None else "factor_reduce"] += 1
         if b.dst is None:
-            self.counts["factor_allreduce"] += 1
             work = dist.all_reduce(flat, async_op=True)
         else:
-            self.counts["factor_reduce"] += 1
             work = dist.reduce(flat, dst=b.dst, async_op=True)
         assert work is not None
         return flat, work

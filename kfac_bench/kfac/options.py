@@ -13,7 +13,7 @@ class StrEnum(str, Enum):
 
     @classmethod
     def parse(cls: type[E], value: object) -> E:
-        """Return the member for ``value`` (a member or its string), or raise a ValueError naming the choices."""
+        """The member for ``value`` (a member or its string); a ValueError names the choices."""
         if isinstance(value, cls):
             return value
         try:

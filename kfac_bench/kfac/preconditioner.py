@@ -69,11 +69,13 @@ class KFACPreconditioner:
             needs A and G on the same rank, so it is ignored when ``colocate_factors=False``.
         factor_dtype: dtype of factors (default: float32, or float64 for a float64 model).
         inv_dtype: dtype of decompositions (default: float32, or float64 with float64 factors).
-        skip_layers: regexes; a layer is skipped if one matches (``re.search``) its qualified name or class name.
+        skip_layers: regexes; a layer is skipped if one matches (``re.search``) its qualified name or its
+            class name.
         grad_scaler: a ``torch.amp.GradScaler`` or a callable returning the loss scale; G is unscaled with it.
         factor_scaling: ``'per_example'`` or ``'kaisa'`` (see :mod:`kfac_bench.kfac.factors`).
         grad_worker_fraction: share of ranks that precondition each layer: 1 = COMM-OPT, 1/world = MEM-OPT,
-            in between HYBRID-OPT; the strings ``'comm_opt'``, ``'mem_opt'``, ``'hybrid_opt'`` (= 0.5) work too.
+            in between HYBRID-OPT; the strings ``'comm_opt'``, ``'mem_opt'`` and ``'hybrid_opt'`` (= 0.5)
+            work too.
         assignment_strategy: cost of a factor for placement, ``'compute'`` (n³) or ``'memory'`` (n²).
         colocate_factors: decompose a layer's A and G on the same rank.
         placement: ``'lpt'`` (KAISA's greedy longest-processing-time) or ``'round_robin'`` (SC20).
@@ -245,7 +247,7 @@ class KFACPreconditioner:
             # The scale as a device tensor: reading it as a float would synchronise every backward hook.
             scale_async = getattr(s, "_get_scale_async", None)
             return scale_async() if scale_async is not None else float(s.get_scale())
-        return s()  # type: ignore[no-any-return]
+        return s()
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -259,11 +261,11 @@ class KFACPreconditioner:
         step = self.steps
         if is_due(self.factor_update_steps, step):
             with self._stage("factor"):
-                batch = self._batch_factors()
+                local = self._batch_factors()
             with self._stage("factor_comm"):
-                batch = self._reduce_factors(batch)
+                reduced = self._reduce_factors(local)
             with self._stage("factor"):
-                self._update_running_factors(batch, resolve(self.factor_decay, step))
+                self._update_running_factors(reduced, resolve(self.factor_decay, step))
         if is_due(self.inv_update_steps, step):
             self._exclude_silent_layers()
             with self._stage("decomposition"):
@@ -417,7 +419,9 @@ class KFACPreconditioner:
         return self.compute_eigenvalue_outer_product and self.compute_method is ComputeMethod.EIGEN
 
     def _device(self, layer: LayerState) -> torch.device:
-        return layer.module.weight.device
+        w = layer.module.weight
+        assert isinstance(w, torch.Tensor)
+        return w.device
 
     def _precondition_gradients(self, damping: float) -> dict[str, torch.Tensor]:
         """Preconditioned gradients of the layers this rank is a gradient worker for."""

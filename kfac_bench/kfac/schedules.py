@@ -2,7 +2,8 @@
 
 Every scheduled hyperparameter of :class:`~kfac_bench.kfac.KFACPreconditioner` is either a constant or a
 ``Callable[[int], value]`` taking the number of completed ``step()`` calls. Epoch-based schedules (damping
-decay, interval decay) are built by the harness as plain functions of the epoch and wrapped into such callables.
+decay, interval decay) are built by the harness as plain functions of the epoch, wrapped as such
+callables.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar, Union
 
 T = TypeVar("T", int, float)
-Scheduled = Union[T, Callable[[int], T]]
+Scheduled = Union[T, Callable[[int], T]]  # noqa: UP007 (a generic alias needs Union)
 
 
 def resolve(value: Scheduled[T], step: int) -> T:

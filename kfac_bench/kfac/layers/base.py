@@ -80,12 +80,13 @@ def gram_with_ones(rows: torch.Tensor, bias: bool) -> torch.Tensor:
 def weight_bias_grad(module: nn.Module) -> torch.Tensor | None:
     """``[W.grad.reshape(out, -1), b.grad]`` for a module with ``weight`` and optional ``bias``."""
     w = module.weight
+    assert isinstance(w, torch.Tensor)
     if w.grad is None:
         return None
     g = w.grad.reshape(w.shape[0], -1)
     b = getattr(module, "bias", None)
     if b is not None:
-        bg = b.grad if b.grad is not None else torch.zeros_like(b)
+        bg: torch.Tensor = b.grad if b.grad is not None else torch.zeros_like(b)
         g = torch.cat([g, bg.reshape(-1, 1)], dim=1)
     return g
 
@@ -93,6 +94,7 @@ def weight_bias_grad(module: nn.Module) -> torch.Tensor | None:
 def set_weight_bias_grad(module: nn.Module, grad: torch.Tensor) -> None:
     """Inverse of :func:`weight_bias_grad`: copy the matrix back into the parameters' ``.grad``."""
     w = module.weight
+    assert isinstance(w, torch.Tensor)
     b = getattr(module, "bias", None)
     n_w = grad.shape[1] - (1 if b is not None else 0)
     assert w.grad is not None

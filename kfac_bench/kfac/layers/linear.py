@@ -14,7 +14,7 @@ class LinearHandler:
     """K-FAC contribution of ``nn.Linear``.
 
     An input of shape ``(N, *S, in_features)`` gives ``N·prod(S)`` rows: every token of a sequence is a row
-    sharing the weight (the reference's "expand" treatment), with ``N`` examples and ``T = prod(S)`` positions.
+    sharing the weight (the reference's "expand" treatment): ``N`` examples, ``T = prod(S)`` positions.
     A 1-D input is one example.
     """
 

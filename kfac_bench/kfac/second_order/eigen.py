@@ -55,7 +55,6 @@ def precondition(
     qa, qg = a["q"], g["q"]
     v1 = qg.t() @ grad.to(qa.dtype) @ qa
     if outer is None:
-        v2 = v1 / (torch.outer(g["eigenvalues"], a["eigenvalues"]) + damping)
-    else:
-        v2 = v1 * outer
+        outer = 1.0 / (torch.outer(g["eigenvalues"], a["eigenvalues"]) + damping)
+    v2 = v1 * outer
     return (qg @ v2 @ qa.t()).to(grad.dtype)
