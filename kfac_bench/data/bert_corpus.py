@@ -1,0 +1,210 @@
+"""The text side of BERT shard preparation: corpora, WordPiece vocabularies, tokenisation.
+
+Corpus format (Google's ``create_pretraining_data.py``): one sentence per line, documents separated by a
+blank line. :func:`write_pydoc_corpus` makes such a corpus of real English from Python's own documentation
+(``pydoc_data.topics``, standard library), so tests and smoke runs need no download.
+
+Vocabularies are BERT ``vocab.txt`` files read by ``tokenizers``' ``BertWordPieceTokenizer``. Two ways to
+make one from the corpus:
+
+* ``"wordpiece"``: ``tokenizers``' WordPiece trainer (the subword vocabulary BERT uses). Its merges break
+  ties in hash-map order, so two runs on the same text can give slightly different vocabularies.
+* ``"frequency"``: special tokens, every character (plain and ``##``-prefixed, so any word can be
+  spelt), then the most frequent whole words, ties by spelling. Deterministic; for tests and smoke runs.
+
+Either way the vocabulary is saved beside the shards; passing it back with ``--vocab-file`` reproduces them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import BertWordPieceTokenizer
+
+from kfac_bench.errors import ConfigError, DatasetError
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+VOCAB_TRAINERS = ("wordpiece", "frequency")
+
+Document = list[list[int]]  # sentences of token ids
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """Ids the instance builder needs from the tokenizer's vocabulary."""
+
+    size: int
+    pad: int
+    cls: int
+    sep: int
+    mask: int
+
+
+def read_documents(paths: Sequence[str | os.PathLike[str]]) -> list[list[str]]:
+    """Documents (lists of non-empty stripped lines) from text files; blank lines and file ends end a
+    document."""
+    documents: list[list[str]] = [[]]
+    for path in paths:
+        if not Path(path).is_file():
+            raise DatasetError(path, "a text file with one sentence per line")
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    documents[-1].append(line)
+                elif documents[-1]:
+                    documents.append([])
+        if documents[-1]:
+            documents.append([])
+    return [d for d in documents if d]
+
+
+def load_tokenizer(
+    vocab_file: str | os.PathLike[str], lowercase: bool = True
+) -> BertWordPieceTokenizer:
+    """A WordPiece tokenizer over an existing BERT ``vocab.txt``."""
+    if not Path(vocab_file).is_file():
+        raise DatasetError(vocab_file, "a WordPiece vocab.txt (one token per line)")
+    return BertWordPieceTokenizer(str(vocab_file), lowercase=lowercase)
+
+
+def _frequency_vocab(
+    files: Sequence[str | os.PathLike[str]], vocab_size: int, lowercase: bool
+) -> list[str]:
+    splitter = BertWordPieceTokenizer(lowercase=lowercase)  # only its normaliser and pre-tokeniser
+    assert splitter.normalizer is not None and splitter.pre_tokenizer is not None
+    counts: Counter[str] = Counter()
+    for doc in read_documents(files):
+        for line in doc:
+            text = splitter.normalizer.normalize_str(line)
+            counts.update(w for w, _ in splitter.pre_tokenizer.pre_tokenize_str(text))
+    chars = sorted({c for word in counts for c in word})
+    base = [*SPECIAL_TOKENS, *chars, *(f"##{c}" for c in chars)]
+    if len(base) > vocab_size:
+        raise ConfigError(
+            f"vocab_size {vocab_size} is smaller than the {len(base)} special tokens and characters "
+            "of the corpus: raise --vocab-size"
+        )
+    words = sorted((w for w in counts if len(w) > 1), key=lambda w: (-counts[w], w))
+    return base + words[: vocab_size - len(base)]
+
+
+def train_tokenizer(
+    files: Sequence[str | os.PathLike[str]],
+    vocab_size: int,
+    output_dir: str | os.PathLike[str],
+    lowercase: bool = True,
+    trainer: str = "wordpiece",
+) -> tuple[BertWordPieceTokenizer, Path]:
+    """Make a vocabulary of at most ``vocab_size`` tokens from ``files``, save it as
+    ``output_dir/vocab.txt`` and return a tokenizer over it (``trainer``: see the module docstring)."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if trainer == "wordpiece":
+        tokenizer = BertWordPieceTokenizer(lowercase=lowercase)
+        tokenizer.train(
+            [str(f) for f in files],
+            vocab_size=vocab_size,
+            min_frequency=2,
+            special_tokens=list(SPECIAL_TOKENS),
+            show_progress=False,
+        )
+        (saved,) = tokenizer.save_model(str(out))
+        vocab_path = Path(saved)
+    elif trainer == "frequency":
+        vocab_path = out / "vocab.txt"
+        vocab_path.write_text("\n".join(_frequency_vocab(files, vocab_size, lowercase)) + "\n")
+    else:
+        raise ConfigError(
+            f"unknown vocab trainer '{trainer}': use one of {', '.join(VOCAB_TRAINERS)}"
+        )
+    # Reload from the file so this run and a later --vocab-file run tokenise identically.
+    return load_tokenizer(vocab_path, lowercase), vocab_path
+
+
+def vocab_ids(tokenizer: BertWordPieceTokenizer) -> Vocab:
+    """The special-token ids of ``tokenizer``; raises if the vocabulary lacks one."""
+    ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+    missing = [t for t, i in ids.items() if i is None]
+    if missing:
+        raise DatasetError("vocab.txt", f"a vocabulary containing {', '.join(missing)}")
+    return Vocab(
+        tokenizer.get_vocab_size(), ids["[PAD]"], ids["[CLS]"], ids["[SEP]"], ids["[MASK]"]
+    )
+
+
+def tokenize_documents(
+    tokenizer: BertWordPieceTokenizer, documents: Sequence[Sequence[str]]
+) -> list[Document]:
+    """Token ids per sentence per document; sentences and documents that tokenise to nothing are
+    dropped."""
+    lines = [line for doc in documents for line in doc]
+    encoded = iter(tokenizer.encode_batch(lines, add_special_tokens=False))
+    out: list[Document] = []
+    for doc in documents:
+        sentences = [s for s in (next(encoded).ids for _ in doc) if s]
+        if sentences:
+            out.append(sentences)
+    return out
+
+
+# --- Python's documentation as an English corpus ------------------------------------------------
+
+# A sentence ends at . ! or ? followed by whitespace and an upper-case letter or an opening quote.
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"(])")
+_UNDERLINE = re.compile(r"^([*=\-~^])\1{2,}$")
+_MIN_WORDS = 3
+
+
+def _prose_paragraphs(text: str) -> list[str]:
+    """Paragraphs of running text: not indented (code, grammar), not tables, not headings."""
+    paragraphs = []
+    for block in re.split(r"\n\s*\n", text):
+        lines = block.split("\n")
+        first = lines[0]
+        if not first.strip() or first[0].isspace() or first.lstrip()[0] in "+|":
+            continue
+        if any(_UNDERLINE.match(line.strip()) for line in lines):
+            continue
+        paragraphs.append(" ".join(line.strip() for line in lines))
+    return paragraphs
+
+
+def pydoc_documents(max_documents: int | None = None) -> list[list[str]]:
+    """Documents (lists of sentences) from ``pydoc_data.topics``: one per help topic, sorted by topic.
+
+    The full set is 77 documents, ~2,200 sentences, ~37,000 words.
+
+    Args:
+        max_documents: keep only the first this many documents (small corpora for tests).
+    """
+    from pydoc_data.topics import topics
+
+    documents = []
+    for name in sorted(topics):
+        sentences = [
+            s.strip()
+            for paragraph in _prose_paragraphs(topics[name])
+            for s in _SENTENCE_END.split(paragraph)
+            if len(s.split()) >= _MIN_WORDS
+        ]
+        if len(sentences) >= 2:  # a one-sentence document cannot give a real next sentence
+            documents.append(sentences)
+        if max_documents is not None and len(documents) >= max_documents:
+            break
+    return documents
+
+
+def write_pydoc_corpus(path: str | os.PathLike[str], max_documents: int | None = None) -> Path:
+    """Write :func:`pydoc_documents` as a corpus file (one sentence per line, a blank line between
+    documents) and return its path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = "\n\n".join("\n".join(doc) for doc in pydoc_documents(max_documents))
+    out.write_text(text + "\n", encoding="utf-8")
+    return out
