@@ -1,0 +1,148 @@
+"""The HDF5 shard reader: exact labels on hand-written shards, round trip of prepared shards, rank
+blocks, DataLoader batches and the errors for bad directories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from kfac_bench.data.bert import (
+    IGNORE_INDEX,
+    SHARD_FIELDS,
+    BertPretrainingDataset,
+    build_bert_pretraining,
+    rank_range,
+)
+from kfac_bench.data.bert_prepare import prepare_pydoc_shards
+from kfac_bench.errors import DatasetError
+
+SEQ, PREDS = 12, 4
+
+
+def write_nvidia_shard(path: Path, first_id: int, n: int) -> None:
+    """A shard written the way NVIDIA's script writes it; row r has input ids first_id + r + [0..SEQ)
+    and masks positions 1, 3 (and 5 on odd rows), padding the rest with 0."""
+    ids = (first_id + np.arange(n)[:, None] + np.arange(SEQ)[None, :]).astype(np.int32)
+    positions = np.zeros((n, PREDS), dtype=np.int32)
+    masked_ids = np.zeros((n, PREDS), dtype=np.int32)
+    for r in range(n):
+        pos = [1, 3, 5] if r % 2 else [1, 3]
+        positions[r, : len(pos)] = pos
+        masked_ids[r, : len(pos)] = [1000 + first_id + r + p for p in pos]
+    with h5py.File(path, "w") as f:
+        f.create_dataset("input_ids", data=ids, dtype="i4", compression="gzip")
+        f.create_dataset("input_mask", data=np.ones((n, SEQ)), dtype="i1", compression="gzip")
+        f.create_dataset("segment_ids", data=np.zeros((n, SEQ)), dtype="i1", compression="gzip")
+        f.create_dataset("masked_lm_positions", data=positions, dtype="i4", compression="gzip")
+        f.create_dataset("masked_lm_ids", data=masked_ids, dtype="i4", compression="gzip")
+        f.create_dataset(
+            "next_sentence_labels", data=np.arange(n) % 2, dtype="i1", compression="gzip"
+        )
+
+
+@pytest.fixture()
+def hand_shards(tmp_path: Path) -> Path:
+    write_nvidia_shard(tmp_path / "b_part.hdf5", first_id=100, n=5)  # sorted second
+    write_nvidia_shard(tmp_path / "a_part.hdf5", first_id=0, n=4)
+    (tmp_path / "notes.txt").write_text("not a shard")
+    return tmp_path
+
+
+def test_items_and_labels_exact(hand_shards: Path) -> None:
+    ds = BertPretrainingDataset(hand_shards)
+    assert len(ds) == 9 and (ds.max_seq_length, ds.max_predictions_per_seq) == (SEQ, PREDS)
+    item = ds[5]  # second file (sorted by name), row 1
+    assert ds.locate(5) == (hand_shards / "b_part.hdf5", 1)
+    assert set(item) == {
+        "input_ids",
+        "attention_mask",
+        "token_type_ids",
+        "labels",
+        "next_sentence_label",
+    }
+    assert all(t.dtype == torch.int64 for t in item.values())
+    assert item["input_ids"].tolist() == list(range(101, 101 + SEQ))
+    expected = [IGNORE_INDEX] * SEQ
+    for p in (1, 3, 5):
+        expected[p] = 1000 + 101 + p
+    assert item["labels"].tolist() == expected
+    assert item["next_sentence_label"].shape == () and item["next_sentence_label"].item() == 1
+    assert (ds[0]["labels"] != IGNORE_INDEX).sum() == 2  # even row: 2 masked, padding ignored
+
+
+def test_rank_blocks() -> None:
+    for total, world in [(9, 2), (10, 3), (3, 4)]:
+        full = [list(rank_range(total, r, world, drop_remainder=False)) for r in range(world)]
+        assert sorted(i for block in full for i in block) == list(range(total))
+        dropped = [rank_range(total, r, world, drop_remainder=True) for r in range(world)]
+        assert {len(b) for b in dropped} == {total // world}
+        assert len({i for b in dropped for i in b}) == world * (total // world)
+
+
+def test_rank_override_reads_its_block(hand_shards: Path) -> None:
+    rank1 = BertPretrainingDataset(hand_shards, rank=1, world_size=2)
+    whole = BertPretrainingDataset(hand_shards, shard_by_rank=False)
+    assert len(rank1) == 4
+    for i in range(4):
+        assert torch.equal(rank1[i]["input_ids"], whole[4 + i]["input_ids"])
+
+
+def test_loader_batches_and_worker_processes(hand_shards: Path) -> None:
+    ds = BertPretrainingDataset(hand_shards)
+    ds[0]  # opens a handle in this process; workers must reopen their own
+    batches = list(DataLoader(ds, batch_size=4, num_workers=1))
+    assert [b["input_ids"].shape for b in batches] == [(4, SEQ), (4, SEQ), (1, SEQ)]
+    assert batches[0]["next_sentence_label"].shape == (4,)
+    firsts = torch.cat([b["input_ids"][:, 0] for b in batches]).tolist()
+    assert firsts == [0, 1, 2, 3, 100, 101, 102, 103, 104]
+
+
+def test_prepared_shards_round_trip(tmp_path: Path) -> None:
+    result = prepare_pydoc_shards(
+        tmp_path, max_documents=12, vocab_size=700, max_seq_length=64, max_predictions_per_seq=10,
+        num_shards=2, heldout_fraction=0.2,
+    )  # fmt: skip
+    splits = build_bert_pretraining(str(tmp_path))
+    assert (
+        len(splits.train) == result.num_examples and len(splits.val) == result.num_heldout_examples
+    )
+    rows = {}
+    for path in result.shards:
+        with h5py.File(path, "r") as f:
+            rows[path] = {k: f[k][:] for k in SHARD_FIELDS}
+    for i in range(0, len(splits.train), 7):
+        item = splits.train[i]
+        path, row = splits.train.locate(i)
+        raw = rows[path]
+        assert item["input_ids"].tolist() == raw["input_ids"][row].tolist()
+        assert item["attention_mask"].tolist() == raw["input_mask"][row].tolist()
+        assert item["token_type_ids"].tolist() == raw["segment_ids"][row].tolist()
+        k = int((raw["masked_lm_positions"][row] != 0).sum())
+        labelled = torch.nonzero(item["labels"] != IGNORE_INDEX).flatten().tolist()
+        assert labelled == raw["masked_lm_positions"][row][:k].tolist()
+        assert item["labels"][labelled].tolist() == raw["masked_lm_ids"][row][:k].tolist()
+        assert item["next_sentence_label"].item() == raw["next_sentence_labels"][row]
+
+
+def test_clear_errors(tmp_path: Path, hand_shards: Path) -> None:
+    with pytest.raises(DatasetError, match="directory of BERT pretraining"):
+        BertPretrainingDataset(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match=r"at least one \.hdf5"):
+        BertPretrainingDataset(tmp_path / "empty")
+    with pytest.raises(DatasetError, match="heldout"):
+        build_bert_pretraining(str(hand_shards))  # no held-out directory
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    with h5py.File(bad / "x.hdf5", "w") as f:
+        f.create_dataset("input_ids", data=np.zeros((2, SEQ), dtype=np.int32))
+    with pytest.raises(DatasetError, match="missing: input_mask, segment_ids"):
+        BertPretrainingDataset(bad)
+    (bad / "x.hdf5").write_bytes(b"not hdf5")
+    with pytest.raises(DatasetError, match="readable HDF5"):
+        BertPretrainingDataset(bad)
