@@ -14,7 +14,7 @@ import os
 import pickle
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from PIL import Image
@@ -37,7 +37,11 @@ CIFAR10_LABEL_NAMES = (
 )
 
 
-class _Py2StylePickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+# The pure-Python pickler: unlike the C one, its per-type dispatch table can be extended.
+_PurePickler: Any = pickle._Pickler
+
+
+class _Py2StylePickler(_PurePickler):
     """Pickler that writes ``bytes`` as Python 2 ``str`` opcodes, as the CIFAR release files were.
 
     Python 3 would write bytes as a call to ``_codecs.encode``; the release instead holds py2
@@ -45,7 +49,7 @@ class _Py2StylePickler(pickle._Pickler):  # type: ignore[name-defined,misc]
     ``"latin1"`` (torchvision). Writing the same opcodes keeps the fixture readable by both.
     """
 
-    dispatch = pickle._Pickler.dispatch.copy()  # type: ignore[attr-defined]
+    dispatch: ClassVar[dict[type, Any]] = dict(_PurePickler.dispatch)
 
     def _save_py2_str(self, obj: bytes) -> None:
         if len(obj) < 256:

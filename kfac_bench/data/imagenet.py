@@ -85,7 +85,7 @@ def build_imagenet(
     image_size: int = 224,
     resize_size: int | None = None,
     synthetic_length: int | None = None,
-    num_classes: int = 1000,
+    num_classes: int | None = 1000,
     seed: int = 0,
 ) -> Dataset[tuple[torch.Tensor, int]]:
     """Build one split of ImageNet (Hydra ``_target_``).
@@ -103,7 +103,8 @@ def build_imagenet(
         image_size: output side (224 in the papers; smoke runs use e.g. 64).
         resize_size: shorter side before the centre crop; default ``round(image_size * 256 / 224)``.
         synthetic_length: synthetic split size; default the real one (1,281,167 / 50,000).
-        num_classes: label range of the synthetic data (the real data takes it from the folders).
+        num_classes: label range of the synthetic data; for real data, the number of class folders
+            expected (checked, so a model/dataset mismatch fails at start-up), ``None`` to skip.
         seed: seed of the synthetic data.
 
     Returns:
@@ -111,13 +112,14 @@ def build_imagenet(
         :class:`~kfac_bench.data.synthetic.SyntheticImages`.
 
     Raises:
-        DatasetError: missing root/split, no class folders, an empty class folder, or train/ and
-            val/ with different class folders.
+        DatasetError: missing root/split, no class folders, an empty class folder, train/ and
+            val/ with different class folders, or not ``num_classes`` class folders.
     """
     if synthetic:
         length = synthetic_length or _SPLIT_SIZES[train]
         shape = (3, image_size, image_size)
-        return SyntheticImages(length, shape, num_classes, seed=seed + (0 if train else 1))
+        n_labels = 1000 if num_classes is None else num_classes
+        return SyntheticImages(length, shape, n_labels, seed=seed + (0 if train else 1))
     if root is None or str(root) == "":
         raise DatasetError("<unset dataset.root>", EXPECTED_LAYOUT, HOW_TO_GET)
     root_path = Path(root).expanduser()
@@ -126,6 +128,12 @@ def build_imagenet(
     split = _split_dir(root_path, train)
     classes = imagenet_classes(split)
     _check_same_classes(root_path, train, classes)
+    if num_classes is not None and len(classes) != num_classes:
+        raise DatasetError(
+            split,
+            f"{EXPECTED_LAYOUT}; dataset.num_classes={num_classes} but found {len(classes)} class "
+            "folders (set dataset.num_classes and model.num_classes to the folder count)",
+        )
     transform = imagenet_transform(train, augment, image_size, resize_size)
     try:
         return ImageFolder(str(split), transform=transform)

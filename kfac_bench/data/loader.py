@@ -28,6 +28,10 @@ class ShardSampler(Sampler[int]):
 
     Unlike ``DistributedSampler`` it never pads with repeated samples, so per-rank sums of correct
     predictions and counts, all-reduced, give the exact metric over the whole split.
+
+    Note:
+        Shards can differ by one sample, hence by one batch: reduce once after the loop, never
+        per batch (a per-batch collective would hang on the rank with fewer batches).
     """
 
     def __init__(self, dataset: Sized, num_replicas: int = 1, rank: int = 0) -> None:
@@ -75,7 +79,8 @@ def build_loader(
             factor statistics prefer full batches). Under torch.distributed the training sampler
             also drops the tail that does not divide evenly across ranks.
         seed: shuffling seed, identical on every rank; worker RNGs (augmentation) are seeded from
-            ``seed`` and the rank.
+            ``seed`` and the rank. With ``num_workers=0`` augmentation draws from the global torch
+            RNG instead (seed it with ``torch.manual_seed``).
 
     Returns:
         The DataLoader; its ``sampler`` has ``set_epoch``.

@@ -60,7 +60,8 @@ class SyntheticImages(Dataset[tuple[torch.Tensor, int]]):
         if not -self.length <= index < self.length:
             raise IndexError(f"index {index} out of range for {self.length} samples")
         index %= self.length
-        return self.images[index % len(self.images)], int(self.targets[index])
+        # A copy, so a consumer that edits a sample in place cannot change the pool.
+        return self.images[index % len(self.images)].clone(), int(self.targets[index])
 
 
 def build_synthetic_images(

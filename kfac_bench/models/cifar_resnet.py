@@ -58,8 +58,8 @@ class BasicBlock(nn.Module):
     Args:
         in_planes: input channels.
         planes: output channels; when it differs from ``in_planes`` (or ``stride != 1``) the
-            shortcut is :class:`ShortcutA`, which assumes ``planes == 2 * in_planes`` and ``stride
-            == 2``, as everywhere in this family.
+            shortcut is :class:`ShortcutA`, which assumes ``planes == 2 * in_planes`` and
+            ``stride == 2``, as everywhere in this family.
         stride: stride of the first convolution.
     """
 
@@ -115,8 +115,8 @@ class CifarResNet(nn.Module):
 
 
 def _kaiming_init(module: nn.Module) -> None:
-    # As the reference: kaiming_normal_ with its defaults (fan_in, leaky_relu gain with a=0 =
-    # sqrt(2)).
+    # As the reference: kaiming_normal_ with its defaults (fan_in, gain sqrt(2)); biases keep
+    # PyTorch's default.
     if isinstance(module, (nn.Conv2d, nn.Linear)):
         nn.init.kaiming_normal_(module.weight)
 

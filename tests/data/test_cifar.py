@@ -179,3 +179,14 @@ def test_pickle_with_foreign_globals_is_refused_without_running(
     with pytest.raises(DatasetError, match="not allowed"):
         build_cifar10(root, train=False)
     assert not marker.exists()
+
+
+def test_worker_processes_deliver_the_same_eval_batches(cifar_root: Path) -> None:
+    from kfac_bench.data.loader import build_loader
+
+    ds = build_cifar10(cifar_root, train=False)
+    inline = list(build_loader(ds, batch_size=8, train=False))
+    workers = list(build_loader(ds, batch_size=8, train=False, num_workers=2))
+    assert len(inline) == len(workers) == 4
+    for (xa, ya), (xb, yb) in zip(inline, workers, strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)

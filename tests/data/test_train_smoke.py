@@ -65,9 +65,9 @@ def test_torchvision_resnet18_learns_the_tiny_imagenet_in_one_epoch(tmp_path: Pa
     torch.manual_seed(0)
     torch.set_num_threads(1)
     root = write_tiny_imagenet(tmp_path, classes=4, per_class=24, size=40, val_per_class=8)
-    train_set = build_imagenet(root, train=True, image_size=32)
+    train_set = build_imagenet(root, train=True, image_size=32, num_classes=4)
     train = build_loader(train_set, batch_size=8, train=True, seed=0)
-    val = build_loader(build_imagenet(root, train=False, image_size=32), 32, train=False)
+    val = build_loader(build_imagenet(root, False, image_size=32, num_classes=4), 32, train=False)
     model = build_torchvision_resnet("resnet18", num_classes=len(train_set.classes))  # type: ignore[attr-defined]
     losses = train_one_epoch(model, train, lr=0.01)
     assert len(losses) == 12 and all(torch.isfinite(torch.tensor(losses)))
