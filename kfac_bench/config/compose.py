@@ -1,0 +1,91 @@
+"""Composing a run's config outside ``@hydra.main`` and turning Hydra's errors into one-line user errors.
+
+The CLI composes the command line once before handing it to Hydra: a misspelt key, an unknown option or a
+value of the wrong type then stops the run with one line (exit code 2) instead of Hydra's multi-line report.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from kfac_bench.config import config_dir
+from kfac_bench.config.store import register
+from kfac_bench.errors import ConfigError
+
+__all__ = ["PRIMARY", "compose_run", "to_config_error"]
+
+PRIMARY = "train"
+_MISSING = re.compile(r"Could not (?:find|load) '([^']+)'")
+_OPTIONS = re.compile(r"Available options in '[^']+':\n((?:\t.*\n?)*)")
+_NOT_IN_STRUCT = re.compile(r"Key '([^']+)' not in '([^']+)'")
+_FULL_KEY = re.compile(r"full_key: (\S+)")
+_OVERRIDE = re.compile(r"Could not override '([^']+)'")
+_MERGING = re.compile(r"Error merging override (\S+)")
+
+
+def compose_run(overrides: Sequence[str], return_hydra_config: bool = False) -> DictConfig:
+    """The composed run config for command-line ``overrides`` (``key=value`` strings).
+
+    Raises:
+        ConfigError: with one line naming the bad key, option or value.
+    """
+    register()
+    try:
+        with initialize_config_dir(str(config_dir()), version_base="1.3", job_name="kfac_bench"):
+            return compose(
+                PRIMARY, overrides=list(overrides), return_hydra_config=return_hydra_config
+            )
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise to_config_error(exc) from None
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return seen
+
+
+def to_config_error(exc: BaseException) -> ConfigError:
+    """One-line :class:`ConfigError` for an exception raised while composing a config."""
+    text = "\n".join(str(e) for e in _chain(exc))
+    missing = _MISSING.search(text)
+    if isinstance(exc, MissingConfigException) or missing:
+        what = missing.group(1) if missing else "config"
+        group, _, name = what.rpartition("/")
+        options = _OPTIONS.search(text)
+        valid = (
+            ", ".join(o.strip() for o in options.group(1).splitlines() if o.strip())
+            if options
+            else ""
+        )
+        if group == "hydra/launcher" and name.startswith("submitit"):
+            return ConfigError(
+                "the SLURM sweep launcher needs hydra-submitit-launcher: pip install 'kfac-bench[slurm]'"
+            )
+        label = group or "config"
+        return ConfigError(f"unknown {label} '{name}'; valid names: {valid or '(none)'}")
+    key = _NOT_IN_STRUCT.search(text)
+    if key:
+        full = _FULL_KEY.search(text)
+        name = full.group(1) if full else key.group(1)
+        return ConfigError(f"unknown config key '{name}' (not a field of {key.group(2)})")
+    override = _OVERRIDE.search(text)
+    if override:
+        return ConfigError(
+            f"unknown config key '{override.group(1)}' (use +{override.group(1)}=... only to add a new key)"
+        )
+    merging = _MERGING.search(text)
+    if merging:
+        causes = [str(e).splitlines()[0] for e in _chain(exc)[1:] if str(e)]
+        detail = causes[0] if causes else "invalid value"
+        return ConfigError(f"invalid override '{merging.group(1)}': {detail}")
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return ConfigError("invalid config: " + (lines[0] if lines else type(exc).__name__))

@@ -1,0 +1,303 @@
+"""Typed schemas of every config group, registered with Hydra's ConfigStore by :mod:`kfac_bench.config`.
+
+Every YAML in ``configs/<group>/`` names its schema first in its defaults list, so a misspelt key or a value
+of the wrong type fails when the config is composed, naming the key. Closed choices are enums whose member
+names are their lower-case values (OmegaConf parses enums by name), so YAML and the command line use the
+plain strings (``compute_method=inverse``).
+
+Names follow the paper's vocabulary (STYLE.md guideline 13): the K-FAC fields that the engine takes are
+spelled exactly like :class:`kfac_bench.kfac.KFACPreconditioner`'s keyword arguments; a test keeps them in
+step.
+"""
+
+# ruff: noqa: UP006, UP035
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List
+
+from omegaconf import MISSING
+
+
+class OptimizerName(str, Enum):
+    sgd = "sgd"
+    adamw = "adamw"
+    lamb = "lamb"
+
+
+class ScheduleName(str, Enum):
+    warmup_multistep = "warmup_multistep"
+    polynomial = "polynomial"
+    cosine = "cosine"
+    constant = "constant"
+
+
+class ScheduleUnit(str, Enum):
+    """What the numbers of an LR schedule count: epochs, optimizer steps, or a fraction of all steps."""
+
+    epochs = "epochs"
+    steps = "steps"
+    fraction = "fraction"
+
+
+class ComputeMethod(str, Enum):
+    eigen = "eigen"
+    inverse = "inverse"
+
+
+class FactorScaling(str, Enum):
+    per_example = "per_example"
+    kaisa = "kaisa"
+
+
+class AssignmentStrategy(str, Enum):
+    compute = "compute"
+    memory = "memory"
+
+
+class Placement(str, Enum):
+    lpt = "lpt"
+    round_robin = "round_robin"
+
+
+class FactorReduction(str, Enum):
+    allreduce = "allreduce"
+    reduce = "reduce"
+
+
+class Precision(str, Enum):
+    """Mixed precision of the forward/backward pass; used on CUDA only (CPU runs stay in float32)."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class DeviceKind(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class ProgressKind(str, Enum):
+    """``auto``: a bar on a TTY, plain periodic lines otherwise."""
+
+    auto = "auto"
+    bar = "bar"
+    lines = "lines"
+    none = "none"
+
+
+class LauncherName(str, Enum):
+    local = "local"
+    torchrun = "torchrun"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Generic groups (one schema, several YAML options each)
+
+
+@dataclass
+class OptimizerConfig:
+    """``optimizer/``: the first-order update that runs after K-FAC rewrites the gradients.
+
+    ``lr`` is the per-worker base rate; with ``scale_lr_with_world_size`` the run uses ``lr * world_size``
+    (the paper's linear scaling rule). LAMB is timm's ``timm.optim.Lamb``.
+    """
+
+    name: OptimizerName = OptimizerName.sgd
+    lr: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    scale_lr_with_world_size: bool = False
+    #: Exclude biases and normalisation weights from weight decay (the BERT recipe's convention).
+    no_decay_bias_and_norm: bool = False
+
+
+@dataclass
+class LRScheduleConfig:
+    """``lr_schedule/``: a multiplier of the base LR as a plain function of training progress.
+
+    Linear warm-up over ``warmup`` units from ``warmup_start_factor`` (None: ``1 / world_size``, the paper's
+    "from LR/N up to LR", i.e. from the single-worker rate) to 1, then: ``warmup_multistep`` multiplies by
+    ``gamma`` at every milestone passed; ``polynomial`` decays as ``(1 - t/total) ** power`` to
+    ``min_factor``; ``cosine`` follows a half cosine to ``min_factor``; ``constant`` stays at 1.
+    ``total`` defaults to the run's length.
+    """
+
+    name: ScheduleName = ScheduleName.warmup_multistep
+    unit: ScheduleUnit = ScheduleUnit.epochs
+    warmup: float = 0.0
+    warmup_start_factor: float | None = None
+    milestones: List[float] = field(default_factory=list)
+    gamma: float = 0.1
+    power: float = 1.0
+    min_factor: float = 0.0
+    total: float | None = None
+
+
+@dataclass
+class KFACConfig:
+    """``kfac/``: whether and how K-FAC preconditions the gradients.
+
+    The fields from ``factor_update_steps`` to ``track_stage_times`` are the engine's keyword arguments,
+    same names and meaning (see ``KFACPreconditioner``). ``grad_worker_fraction`` is a number in (0, 1]
+    or one of ``comm_opt`` (1), ``mem_opt`` (1/world size), ``hybrid_opt``.
+
+    Harness-only fields:
+        enabled: False is the first-order baseline (``kfac=none``): same loop, data order and metrics.
+        damping_decay_epochs / damping_decay_factor: damping is multiplied by the factor once per
+            milestone passed, as a plain function of the epoch (not compounding per call).
+        update_interval_decay_epochs / update_interval_decay_factor: both update intervals are multiplied
+            by the factor (the reference's ``update_freq_alpha``) once per milestone passed.
+        reference_world_size: if set, both intervals are given for this world size and scaled by
+            ``reference_world_size / world_size`` (at least 1), which keeps the number of K-FAC updates per
+            epoch constant as workers are added (the paper's ResNet-50 scaling runs: 2000 at 16 GPUs ... 125
+            at 256 GPUs is ``inv_update_steps=2000 reference_world_size=16``).
+    """
+
+    enabled: bool = True
+    factor_update_steps: int = 1
+    inv_update_steps: int = 10
+    damping: float = 0.003
+    factor_decay: float = 0.95
+    kl_clip: float | None = 0.001
+    compute_method: ComputeMethod = ComputeMethod.eigen
+    compute_eigenvalue_outer_product: bool = True
+    factor_dtype: str | None = None
+    inv_dtype: str | None = None
+    skip_layers: List[str] = field(default_factory=list)
+    factor_scaling: FactorScaling = FactorScaling.per_example
+    grad_worker_fraction: str = "comm_opt"
+    assignment_strategy: AssignmentStrategy = AssignmentStrategy.compute
+    colocate_factors: bool = True
+    placement: Placement = Placement.lpt
+    factor_reduction: FactorReduction = FactorReduction.allreduce
+    allreduce_bucket_cap_mb: float = 25.0
+    symmetry_aware: bool = False
+    comm_dtype: str | None = None
+    track_stage_times: bool = True
+    damping_decay_epochs: List[int] = field(default_factory=list)
+    damping_decay_factor: float = 0.5
+    update_interval_decay_epochs: List[int] = field(default_factory=list)
+    update_interval_decay_factor: float = 10.0
+    reference_world_size: int | None = None
+
+
+@dataclass
+class LauncherConfig:
+    """``launcher/``: ``local`` runs in this process (or under an outer torchrun/srun); ``torchrun`` starts
+    ``nproc_per_node`` processes on this machine through ``torch.distributed.run``; a failed rank restarts
+    every rank (up to ``max_restarts`` times) and they resume from the last checkpoint."""
+
+    name: LauncherName = LauncherName.local
+    nproc_per_node: int = 1
+    max_restarts: int = 0
+    monitor_interval: float = 1.0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The loop and the whole run
+
+
+@dataclass
+class TrainConfig:
+    """``train``: the loop's settings.
+
+    Length: ``epochs``, or ``max_steps`` optimizer steps if set (whichever ends first). Batches:
+    ``batch_size`` is the per-process micro-batch; ``global_batch_size`` (if set) fixes the examples per
+    optimizer step and derives ``accumulation_steps = global / (batch_size * world_size)``.
+    ``targets`` maps task metrics to target values; the run reaches its target when all are met
+    (``higher_is_better`` comes from the task). ``limit_*_batches`` cut epochs short for smoke runs.
+    """
+
+    epochs: int = 10
+    max_steps: int | None = None
+    batch_size: int = 32
+    eval_batch_size: int | None = None
+    global_batch_size: int | None = None
+    accumulation_steps: int = 1
+    grad_clip_norm: float | None = None
+    eval_every_epochs: int = 1
+    eval_every_steps: int | None = None
+    targets: Dict[str, float] = field(default_factory=dict)
+    stop_at_target: bool = False
+    seed: int = 0
+    precision: Precision = Precision.fp32
+    device: DeviceKind = DeviceKind.auto
+    num_workers: int = 0
+    #: torch CPU threads per process; None: the machine's cores divided by the ranks on this node.
+    cpu_threads: int | None = None
+    find_unused_parameters: bool = False
+    checkpoint_every_epochs: int = 1
+    checkpoint_every_steps: int | None = None
+    resume: bool = True
+    log_every_steps: int = 20
+    progress: ProgressKind = ProgressKind.auto
+    limit_train_batches: int | None = None
+    limit_eval_batches: int | None = None
+    tensorboard: bool = True
+    mlperf_log: bool = True
+    benchmark_name: str = "kfac_bench"
+
+
+@dataclass
+class RunConfig:
+    """The whole run. ``model``, ``dataset`` and ``task`` carry the schema of their selected option
+    (``_target_`` plus the builder's keyword arguments)."""
+
+    model: Any = MISSING
+    dataset: Any = MISSING
+    task: Any = MISSING
+    optimizer: OptimizerConfig = MISSING
+    lr_schedule: LRScheduleConfig = MISSING
+    kfac: KFACConfig = MISSING
+    launcher: LauncherConfig = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    #: A free-form name for the run (recipes set it), shown by ``compare``.
+    name: str = "run"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Builders selectable in model/ dataset/ task/ (one schema per builder; its fields are the builder's kwargs)
+
+
+@dataclass
+class SmallCNNConfig:
+    _target_: str = "kfac_bench.models.small_cnn.build_small_cnn"
+    channels: int = 32
+    hidden: int = 64
+    num_classes: int = 10
+    image_size: int = 8
+
+
+@dataclass
+class DigitsConfig:
+    _target_: str = "kfac_bench.data.digits.build_digits"
+    root: str | None = None
+    val_fraction: float = 0.2
+    split_seed: int = 0
+
+
+@dataclass
+class ClassificationTaskConfig:
+    _target_: str = "kfac_bench.tasks.classification.build_classification"
+    label_smoothing: float = 0.0
+    topk: List[int] = field(default_factory=lambda: [1, 5])
+    target_metric: str = "top1"
+
+
+#: (group, name, dataclass): stored as ``schema/<group>/<name>``; YAML options extend them by that path.
+SCHEMAS: list[tuple[str, str, type]] = [
+    ("optimizer", "base", OptimizerConfig),
+    ("lr_schedule", "base", LRScheduleConfig),
+    ("kfac", "base", KFACConfig),
+    ("launcher", "base", LauncherConfig),
+    ("model", "small_cnn", SmallCNNConfig),
+    ("dataset", "digits", DigitsConfig),
+    ("task", "classification", ClassificationTaskConfig),
+]

@@ -1,0 +1,108 @@
+"""Process-group setup from torchrun or SLURM environment variables.
+
+torchrun sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``. A plain ``srun``
+with one task per GPU sets ``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NTASKS`` and the node list instead;
+the master address is then the first node of ``SLURM_JOB_NODELIST`` (expanded by ``scontrol``) or
+``MASTER_ADDR`` if set. With neither, the run is a single process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistEnv", "cleanup", "detect", "first_host", "setup"]
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    source: str = "single"
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list (``node[01-04],gpu7`` -> ``node01``), without ``scontrol``
+    for the simple forms and with it otherwise."""
+    match = re.match(r"^([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if match and match.group(2) is None:
+        return match.group(1)
+    if match:
+        first = re.split(r"[-,]", match.group(2))[0]
+        return match.group(1) + first
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+    )
+    return out.stdout.split()[0]
+
+
+def detect(env: Mapping[str, str] | None = None) -> DistEnv:
+    """The job layout described by ``env`` (default: ``os.environ``)."""
+    env = os.environ if env is None else env
+    port = int(env.get("MASTER_PORT", "29500"))
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(
+            rank=int(env["RANK"]),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            world_size=int(env["WORLD_SIZE"]),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=port,
+            source="torchrun",
+        )
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        addr = env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+        return DistEnv(
+            rank=int(env["SLURM_PROCID"]),
+            local_rank=int(env.get("SLURM_LOCALID", "0")),
+            world_size=int(env["SLURM_NTASKS"]),
+            master_addr=addr,
+            master_port=port,
+            source="slurm",
+        )
+    return DistEnv()
+
+
+def setup(env: DistEnv, device: torch.device) -> None:
+    """Join the process group (NCCL on CUDA, gloo on CPU) when the job has more than one process."""
+    if not env.distributed or dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+    )
+
+
+def cleanup() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def pick_device(kind: str, env: DistEnv) -> torch.device:
+    """``cuda:<local rank>`` if asked for (or ``auto`` and CUDA exists), else the CPU."""
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", env.local_rank % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")

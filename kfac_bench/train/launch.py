@@ -1,0 +1,70 @@
+"""``launcher=torchrun``: start the run's ranks on this machine through ``torch.distributed.run``.
+
+The parent process (the Hydra job) owns the run directory; it re-invokes ``kfac-bench train`` with the same
+overrides in every rank, pointed at that directory (``hydra.run.dir``), so all ranks share one run and a
+restarted rank (``--max-restarts``) resumes from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from kfac_bench.train.signals import EXIT_REQUEUE
+
+__all__ = ["inside_launched_worker", "launch_torchrun", "torchrun_args"]
+
+
+def inside_launched_worker(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is already a rank of a torchrun/SLURM job (then it just trains)."""
+    env = os.environ if env is None else env
+    return "TORCHELASTIC_RUN_ID" in env or "RANK" in env or int(env.get("SLURM_NTASKS", "1")) > 1
+
+
+def torchrun_args(
+    overrides: Sequence[str],
+    run_dir: Path,
+    nproc_per_node: int,
+    max_restarts: int,
+    monitor_interval: float,
+) -> list[str]:
+    """Arguments of ``torch.distributed.run`` that start ``nproc_per_node`` ranks of this run."""
+    return [
+        "--standalone",
+        f"--nproc-per-node={nproc_per_node}",
+        f"--max-restarts={max_restarts}",
+        f"--monitor-interval={monitor_interval}",
+        "-m",
+        "kfac_bench.cli",
+        "train",
+        *overrides,
+        f"hydra.run.dir={Path(run_dir).resolve()}",
+        # The parent already saved the job's config; ranks must not write the same files at once.
+        "hydra.output_subdir=null",
+    ]
+
+
+def launch_torchrun(
+    overrides: Sequence[str],
+    run_dir: Path,
+    nproc_per_node: int,
+    max_restarts: int,
+    monitor_interval: float,
+) -> int:
+    """Run the ranks to completion; returns 0, :data:`EXIT_REQUEUE` if a rank was preempted (or this
+    process was signalled), else 1."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(
+            torchrun_args(overrides, run_dir, nproc_per_node, max_restarts, monitor_interval)
+        )
+    except ChildFailedError as exc:
+        codes = {f.exitcode for f in exc.failures.values()}
+        return EXIT_REQUEUE if EXIT_REQUEUE in codes else 1
+    except SignalException:
+        return EXIT_REQUEUE
+    return 0
