@@ -30,7 +30,8 @@ class Probe(nn.Module):
 
 
 def engine_factors(model: Probe, x: torch.Tensor, y: torch.Tensor, scaling: str, splits: int = 1):  # type: ignore[no-untyped-def]
-    """Running factors after one step with factor_decay=0 (= the batch factors), over ``splits`` micro-batches."""
+    """Running factors after one step with factor_decay=0 (= the batch factors), over ``splits``
+    micro-batches."""
     p = KFACPreconditioner(
         model, factor_decay=0.0, factor_scaling=scaling, accumulation_steps=splits, kl_clip=None
     )

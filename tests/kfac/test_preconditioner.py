@@ -228,7 +228,7 @@ def test_multihead_attention_trains_and_names_the_silent_layer(
     assert "attn.out_proj" in p.layers  # registered: it is an nn.Linear ...
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with caplog.at_level(logging.WARNING, logger="kfac_bench.kfac"):
-        for s in range(3):
+        for _ in range(3):
             x, y = torch.randn(4, 5, 6), torch.randint(0, 4, (4,))
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
