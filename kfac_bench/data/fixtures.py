@@ -42,11 +42,13 @@ _PurePickler: Any = pickle._Pickler
 
 
 class _Py2StylePickler(_PurePickler):
-    """Pickler that writes ``bytes`` as Python 2 ``str`` opcodes, as the CIFAR release files were.
+    """Pickler that writes ``bytes`` and ``str`` as Python 2 ``str`` opcodes, as in the release.
 
-    Python 3 would write bytes as a call to ``_codecs.encode``; the release instead holds py2
-    strings, which readers decode with ``encoding="bytes"`` (the CIFAR page's recipe) or
-    ``"latin1"`` (torchvision). Writing the same opcodes keeps the fixture readable by both.
+    The CIFAR-10 files were written by Python 2, so every string in them (dict keys, numpy's dtype
+    arguments and raw array data) is a py2 ``str``, which Python 3 readers decode with
+    ``encoding="bytes"`` (the CIFAR page's recipe) or ``"latin1"`` (torchvision). Python 3 would
+    write bytes as calls to ``_codecs.encode`` and str as unicode; writing the py2 opcodes instead
+    makes the fixture exercise the same decoding paths as the real files.
     """
 
     dispatch: ClassVar[dict[type, Any]] = dict(_PurePickler.dispatch)
@@ -58,7 +60,11 @@ class _Py2StylePickler(_PurePickler):
             self.write(pickle.BINSTRING + struct.pack("<i", len(obj)) + obj)
         self.memoize(obj)
 
+    def _save_latin1_str(self, obj: str) -> None:
+        self._save_py2_str(obj.encode("latin1"))
+
     dispatch[bytes] = _save_py2_str
+    dispatch[str] = _save_latin1_str
 
 
 def _dump_py2(obj: Any, path: Path) -> None:

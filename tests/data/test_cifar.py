@@ -190,3 +190,18 @@ def test_worker_processes_deliver_the_same_eval_batches(cifar_root: Path) -> Non
     assert len(inline) == len(workers) == 4
     for (xa, ya), (xb, yb) in zip(inline, workers, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_pickles_written_with_numpy_1_module_paths_are_read(
+    cifar_root: Path, tmp_path: Path
+) -> None:
+    # The release was pickled by numpy 1 under Python 2: its array constructor is named
+    # numpy.core.multiarray._reconstruct (numpy 2 writes numpy._core). Both must be accepted.
+    root = copy_tree(cifar_root, tmp_path / "c")
+    path = root / BATCHES / "test_batch"
+    raw = path.read_bytes()
+    path.write_bytes(raw.replace(b"cnumpy._core.multiarray\n", b"cnumpy.core.multiarray\n"))
+    assert b"cnumpy.core.multiarray\n_reconstruct\n" in path.read_bytes()
+    original = build_cifar10(cifar_root, train=False)
+    patched = build_cifar10(root, train=False)
+    assert torch.equal(original.data, patched.data)  # type: ignore[attr-defined]
