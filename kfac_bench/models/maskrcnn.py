@@ -103,6 +103,11 @@ def build_maskrcnn(
     min_size: int = 800,
     max_size: int = 1333,
     trainable_backbone_layers: int = 3,
+    rpn_post_nms_top_n_train: int = 2000,
+    rpn_pre_nms_top_n_test: int = 1000,
+    rpn_post_nms_top_n_test: int = 1000,
+    box_batch_size_per_image: int = 512,
+    box_detections_per_img: int = 100,
 ) -> MaskRCNN:
     """Build torchvision's Mask R-CNN ResNet-50-FPN with frozen backbone batch norm (a Hydra ``_target_``).
 
@@ -115,9 +120,18 @@ def build_maskrcnn(
         max_size: cap of the longer side (1333).
         trainable_backbone_layers: ResNet stages left trainable, counted from ``layer4`` (0-5; 3 trains
             layer2-layer4 as the references do); the others are frozen.
+        rpn_post_nms_top_n_train: proposals kept per image in training.
+        rpn_pre_nms_top_n_test: proposals per FPN level before NMS in evaluation.
+        rpn_post_nms_top_n_test: proposals kept per image in evaluation.
+        box_batch_size_per_image: RoIs sampled per image for the box head's loss.
+        box_detections_per_img: detections returned per image (COCO scores at most 100).
 
     Returns:
         The model, in training mode; ``model(images, targets)`` returns torchvision's loss dict.
+
+    Note:
+        The RPN/box sizes default to torchvision's values. CPU smoke runs shrink them: the box head's
+        12544 x 1024 ``fc6`` over every RoI dominates the CPU time at small image sizes.
 
     Raises:
         ConfigError: ``trainable_backbone_layers`` out of range or unusable ``backbone_weights``.
@@ -132,4 +146,14 @@ def build_maskrcnn(
     if backbone_weights is not None:
         load_backbone_weights(body, backbone_weights)
     backbone = _resnet_fpn_extractor(body, trainable_backbone_layers)
-    return MaskRCNN(backbone, num_classes=num_classes, min_size=min_size, max_size=max_size)
+    return MaskRCNN(
+        backbone,
+        num_classes=num_classes,
+        min_size=min_size,
+        max_size=max_size,
+        rpn_post_nms_top_n_train=rpn_post_nms_top_n_train,
+        rpn_pre_nms_top_n_test=rpn_pre_nms_top_n_test,
+        rpn_post_nms_top_n_test=rpn_post_nms_top_n_test,
+        box_batch_size_per_image=box_batch_size_per_image,
+        box_detections_per_img=box_detections_per_img,
+    )
