@@ -144,6 +144,7 @@ class CocoInstances(CocoDetection):
             self.category_id_to_label = {cat: cat for cat in category_ids}
         self.label_to_category_id = {v: k for k, v in self.category_id_to_label.items()}
         self.num_classes = max(self.category_id_to_label.values(), default=0) + 1
+        self.ids: list[int]
         if train:
             self.ids = [
                 i

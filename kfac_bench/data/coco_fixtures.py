@@ -181,7 +181,9 @@ def write_tiny_coco(
     (root / "annotations").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
 
-    images, annotations, written = [], [], []
+    images: list[dict[str, object]] = []
+    annotations: list[dict[str, object]] = []
+    written: list[TinyImage] = []
     for index in range(n_images):
         image_id = FIRST_IMAGE_ID + index
         # Non-square sizes that differ between images catch height/width swaps and padding mistakes.
