@@ -1,0 +1,60 @@
+"""Helpers for the harness tests: tiny run settings and running the real CLI in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from kfac_bench.config.compose import compose_run
+
+#: A digits run of 2 epochs x 6 steps on an 8-channel CNN, single thread (the machine is shared).
+TINY = [
+    "+recipe=digits_smoke",
+    "train.limit_train_batches=6",
+    "train.limit_eval_batches=3",
+    "train.cpu_threads=1",
+    "train.progress=lines",
+    "train.tensorboard=false",
+]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tiny_cfg(*overrides: str) -> DictConfig:
+    return compose_run([*TINY, *overrides])
+
+
+def cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "TORCHELASTIC_RUN_ID",
+        "SLURM_NTASKS",
+        "SLURM_PROCID",
+    ):
+        env.pop(key, None)
+    return env
+
+
+def run_cli(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``python -m kfac_bench.cli ARGS`` in ``cwd`` (same interpreter as the tests)."""
+    return subprocess.run(
+        [sys.executable, "-m", "kfac_bench.cli", *args],
+        cwd=cwd,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def console_script() -> str:
+    """The installed ``kfac-bench`` console script next to the interpreter."""
+    return str(Path(sys.executable).with_name("kfac-bench"))
