@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 from kfac_bench.data.bert import BertPretrainingDataset
 from kfac_bench.data.bert_prepare import prepare_pydoc_shards
 from kfac_bench.errors import ConfigError
+from kfac_bench.kfac.preconditioner import KFACPreconditioner
 from kfac_bench.models.bert import BERT_KFAC_SKIP_LAYERS, bert_config, build_bert
 
 ENCODER_LINEARS = (
@@ -123,6 +124,9 @@ def test_skip_layers_leave_exactly_the_encoder_linears() -> None:
             self.module = inner
 
     assert kfac_layers(Wrapper(model)) == {f"module.{n}" for n in expected}
+    # the engine itself registers exactly these layers (it unwraps DDP's module)
+    precond = KFACPreconditioner(model, skip_layers=BERT_KFAC_SKIP_LAYERS, factor_scaling="kaisa")
+    assert set(precond.layers) == expected
     # the skipped heads are what the paper skips: the decoder's factors would be vocab x vocab
     skipped = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)} - expected
     assert skipped == {
