@@ -11,10 +11,10 @@ summed over the output window of ``k``. The shift method (KFC's Ω computed as c
 * The input is split into ``sh·sw`` phase sub-grids ``x[:, :, p::sh, q::sw]`` (one grid for stride 1), so that
   every kernel position reads a contiguous rectangle of one grid and its partner position reads the same
   rectangle of a grid shifted by a relative offset ``δ``.
-* Blocks that share ``(grid, partner grid, δ)`` share their full correlation ``F`` over all pixel pairs; one GEMM
-  per distinct key (13 for a 3×3 stride-1 kernel instead of 45 block products over patches). ``F`` is computed on
-  a zero-margined ``(C, N·Hpad·Wpad)`` copy of the grids, where a 2-D shift is a flat column offset (the margins
-  make the wrap-around terms vanish), so each GEMM reads strided views and copies nothing.
+* Blocks that share ``(grid, partner grid, δ)`` share their full correlation ``F`` over all pixel pairs:
+  one GEMM per distinct key (13 for a 3×3 stride-1 kernel instead of 45 block products over patches).
+  ``F`` is computed on a zero-margined ``(C, N·Hpad·Wpad)`` copy of the grids, where a 2-D shift is a flat
+  column offset (the margins make the wrap-around terms vanish): each GEMM reads strided views, no copy.
 * A block equals ``F`` minus the pixel pairs outside its window: thin boundary bands (rows, columns and their
   corner cells, by inclusion-exclusion), which only exist where a window stops short of the image edge.
 * Only one triangle of blocks is computed; ``A[k', k] = A[k, k']ᵀ``.
@@ -25,13 +25,14 @@ model; both are exact and return the same matrix up to rounding.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["conv2d_a_factor", "conv2d_a_factor_shift", "conv2d_a_factor_unfold"]
+__all__ = ["conv2d_a_factor", "conv2d_a_factor_shift", "conv2d_a_factor_unfold", "fast_method"]
 
 Pair = tuple[int, int]
 Key = tuple[int, int, int]
@@ -88,12 +89,11 @@ class _Axis:
 
 
 def _axis(size: int, k: int, s: int, d: int, pad_lo: int, pad_hi: int) -> _Axis:
-    out = (size + pad_lo + pad_hi - d * (k - 1) - 1) // s + 1
     offsets = [i * d - pad_lo for i in range(k)]
     return _Axis(
         phase=tuple(o % s for o in offsets),
         start=tuple(o // s for o in offsets),  # floor division: negative starts lie in the padding
-        out=out,
+        out=(size + pad_lo + pad_hi - d * (k - 1) - 1) // s + 1,
         length=tuple(max(0, (size - p + s - 1) // s) for p in range(s)),
     )
 
@@ -105,94 +105,164 @@ def _runs(lo: int, hi: int, start: int, out: int) -> tuple[Pair, ...]:
     return tuple(run for run in ((lo, w0), (w1, hi)) if run[0] < run[1])
 
 
-def _pair_groups(ax_r: _Axis, ax_c: _Axis, kw: int) -> dict[tuple[Key, Key], list[Pair]]:
-    """Upper-triangle block pairs ``(k, k')`` grouped by key ``(row key, column key)``.
+@dataclass(frozen=True)
+class _Group:
+    """Blocks that read grid ``g1`` against grid ``g2`` shifted by ``(dy, dx)``: one full correlation.
 
-    An axis key ``(phase, partner phase, shift)`` says which grids the pair reads and how far apart. A pair
-    is oriented so that its key is the smaller of {key, reversed key}; the reversed orientation is the
-    transposed block, so each group needs one full correlation.
+    ``rows``/``cols`` is the overlap (grid-1 coordinates whose partner lies in grid 2's data); for each
+    oriented pair ``(k, k')`` of kernel positions, ``excluded[m]`` holds the row runs and column runs of the
+    overlap that lie outside ``k``'s output window.
     """
-    groups: dict[tuple[Key, Key], list[Pair]] = {}
-    kk = len(ax_r.phase) * kw
-    for a in range(kk):
-        for b in range(a, kk):
+
+    g1: int
+    g2: int
+    dy: int
+    dx: int
+    rows: Pair
+    cols: Pair
+    pairs: tuple[Pair, ...]
+    excluded: tuple[tuple[tuple[Pair, ...], tuple[Pair, ...]], ...]
+
+    @property
+    def empty(self) -> bool:
+        return self.rows[0] >= self.rows[1] or self.cols[0] >= self.cols[1]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything about the shift method that depends only on shapes and conv settings (cached)."""
+
+    ax_r: _Axis
+    ax_c: _Axis
+    grid_phases: tuple[Pair, ...]  # (row phase, column phase) of each grid
+    margin: Pair
+    groups: tuple[_Group, ...]
+
+    def grid(self, pr: int, pc: int) -> int:
+        return self.grid_phases.index((pr, pc))
+
+    @property
+    def pad_shape(self) -> Pair:
+        return max(self.ax_r.length) + self.margin[0], max(self.ax_c.length) + self.margin[1]
+
+
+@functools.lru_cache(maxsize=512)
+def _plan(
+    h: int, w: int, kernel_size: Pair, stride: Pair, padding: Padding, dilation: Pair
+) -> _Plan:
+    kh, kw = kernel_size
+    top, bottom, left, right = padding
+    ax_r = _axis(h, kh, stride[0], dilation[0], top, bottom)
+    ax_c = _axis(w, kw, stride[1], dilation[1], left, right)
+    if ax_r.out <= 0 or ax_c.out <= 0:
+        raise ValueError(f"a {h}×{w} input has no output positions under these conv settings")
+    # Group the upper-triangle pairs by (row key, column key); an axis key (phase, partner phase, shift)
+    # names the grids and their distance. Each pair is oriented so that its key is the smaller of {key,
+    # reversed key}: the reversed orientation is the transposed block, so a group needs one correlation.
+    keyed: dict[tuple[Key, Key], list[Pair]] = {}
+    for a in range(kh * kw):
+        for b in range(a, kh * kw):
             (ia, ja), (ib, jb) = divmod(a, kw), divmod(b, kw)
             rk = (ax_r.phase[ia], ax_r.phase[ib], ax_r.start[ib] - ax_r.start[ia])
             ck = (ax_c.phase[ja], ax_c.phase[jb], ax_c.start[jb] - ax_c.start[ja])
             rev = ((rk[1], rk[0], -rk[2]), (ck[1], ck[0], -ck[2]))
             if (rk, ck) <= rev:
-                groups.setdefault((rk, ck), []).append((a, b))
+                keyed.setdefault((rk, ck), []).append((a, b))
             else:
-                groups.setdefault(rev, []).append((b, a))
-    return groups
+                keyed.setdefault(rev, []).append((b, a))
+    grid_phases = tuple(
+        (pr, pc) for pr in sorted(set(ax_r.phase)) for pc in sorted(set(ax_c.phase))
+    )
+    groups = []
+    for (rk, ck), pairs in keyed.items():
+        dy, dx = rk[2], ck[2]
+        rows = (max(0, -dy), min(ax_r.length[rk[0]], ax_r.length[rk[1]] - dy))
+        cols = (max(0, -dx), min(ax_c.length[ck[0]], ax_c.length[ck[1]] - dx))
+        excluded = tuple(
+            (
+                _runs(*rows, ax_r.start[first // kw], ax_r.out),
+                _runs(*cols, ax_c.start[first % kw], ax_c.out),
+            )
+            for first, _ in pairs
+        )
+        g1 = grid_phases.index((rk[0], ck[0]))
+        g2 = grid_phases.index((rk[1], ck[1]))
+        groups.append(_Group(g1, g2, dy, dx, rows, cols, tuple(pairs), excluded))
+    # A shift as long as a grid never pairs two data pixels (such groups are empty), so margins of at
+    # most the grid size suffice.
+    live = [g for g in groups if not g.empty] or groups
+    margin = (
+        min(max(abs(g.dy) for g in live), max(ax_r.length)),
+        min(max(abs(g.dx) for g in live), max(ax_c.length)),
+    )
+    return _Plan(ax_r, ax_c, grid_phases, margin, tuple(groups))
 
 
-def _phase_grids(x: Tensor, stride: Pair, ax_r: _Axis, ax_c: _Axis, margin: Pair) -> Tensor:
+def _phase_grids(x: Tensor, stride: Pair, plan: _Plan) -> Tensor:
     """The used phase sub-grids of ``x`` as ``(grids, C, N, Hpad, Wpad)``, data top-left, zero margins.
 
-    Grid ``(pr, pc)`` (index ``rank(pr)·len(col phases) + rank(pc)``) holds ``x[:, :, pr::sh, pc::sw]``.
-    ``Hpad``/``Wpad`` exceed the largest grid by ``margin``, so in the flattened ``(C, N·Hpad·Wpad)`` layout a
-    2-D shift ``(dy, dx)`` with ``|dy|, |dx| <= margin`` is the column offset ``dy·Wpad + dx`` and every
-    wrapped-around pair (across a row end or an image end) has a zero factor.
+    Grid ``(pr, pc)`` holds ``x[:, :, pr::sh, pc::sw]``. In the flattened ``(C, N·Hpad·Wpad)`` layout a 2-D
+    shift ``(dy, dx)`` within the margins is the column offset ``dy·Wpad + dx``, and every wrapped-around
+    pair (across a row end or an image end) has a zero factor.
     """
     n, c = x.shape[:2]
-    phases_r, phases_c = sorted(set(ax_r.phase)), sorted(set(ax_c.phase))
-    hpad, wpad = max(ax_r.length) + margin[0], max(ax_c.length) + margin[1]
-    grids = x.new_empty(len(phases_r) * len(phases_c), c, n, hpad, wpad)
-    for gr, pr in enumerate(phases_r):
-        for gc, pc in enumerate(phases_c):
-            grid = grids[gr * len(phases_c) + gc]
-            hg, wg = ax_r.length[pr], ax_c.length[pc]
-            grid[:, :, :hg, :wg] = x[:, :, pr :: stride[0], pc :: stride[1]].transpose(0, 1)
-            grid[:, :, hg:].zero_()
-            grid[:, :, :hg, wg:].zero_()
+    hpad, wpad = plan.pad_shape
+    grids = x.new_empty(len(plan.grid_phases), c, n, hpad, wpad)
+    for g, (pr, pc) in enumerate(plan.grid_phases):
+        hg, wg = plan.ax_r.length[pr], plan.ax_c.length[pc]
+        grids[g, :, :, :hg, :wg] = x[:, :, pr :: stride[0], pc :: stride[1]].transpose(0, 1)
+        grids[g, :, :, hg:].zero_()
+        grids[g, :, :, :hg, wg:].zero_()
     return grids
 
 
-class _KeyCorrelator:
-    """Correlations of grid ``g1`` with grid ``g2`` shifted by ``(dy, dx)``, over the whole overlap or bands.
+class _Correlator:
+    """Correlations of grid ``g1`` with grid ``g2`` shifted by ``(dy, dx)``, whole or over bands.
 
-    Every method returns a ``C × C`` matrix ``Σ g1[:, n, y, x] g2[:, n, y + dy, x + dx]ᵀ``.
+    Every method returns the ``C × C`` matrix ``Σ g1[:, n, y, x] g2[:, n, y + dy, x + dx]ᵀ`` over the pixels
+    it names; band sums are memoised because several blocks of a group exclude the same band.
     """
 
-    def __init__(self, grids: Tensor, g1: int, g2: int, dy: int, dx: int, overlap: Pair) -> None:
-        self.a, self.b = grids[g1], grids[g2]  # (C, N, Hpad, Wpad)
-        self.dy, self.dx = dy, dx
-        self.overlap_rows = overlap
+    def __init__(self, grids: Tensor, group: _Group) -> None:
+        self.a, self.b = grids[group.g1], grids[group.g2]  # (C, N, Hpad, Wpad)
+        self.dy, self.dx = group.dy, group.dx
+        self.rows, self.cols = group.rows, group.cols
+        self.memo: dict[tuple[Pair, Pair], Tensor] = {}
 
-    def full(self) -> Tensor:
+    def full(self, out: Tensor | None = None) -> Tensor:
         """All pixel pairs: one GEMM over strided views of the flattened grids (no copy)."""
-        c = self.a.shape[0]
-        wpad = self.a.shape[3]
+        c, wpad = self.a.shape[0], self.a.shape[3]
         fa, fb = self.a.reshape(c, -1), self.b.reshape(c, -1)
         off = self.dy * wpad + self.dx
-        size = fa.shape[1]
-        lo, hi = max(0, -off), size - max(0, off)
-        return fa[:, lo:hi] @ fb[:, lo + off : hi + off].t()
+        lo, hi = max(0, -off), fa.shape[1] - max(0, off)
+        return torch.mm(fa[:, lo:hi], fb[:, lo + off : hi + off].t(), out=out)
 
-    def rows(self, run: Pair) -> Tensor:
-        """Pairs whose first pixel lies in grid rows ``run`` (all columns): a batched GEMM over examples.
+    def rect(self, rows: Pair, cols: Pair) -> Tensor:
+        """Pairs whose first pixel lies in the grid rectangle ``rows × cols`` (within the overlap).
 
-        Within one image the rows are contiguous in memory, so the views need no copy. Columns whose partner
-        falls outside the row are trimmed; they only hold margin zeros.
+        Boundary bands are strided in memory, so they are copied; they are thin (a few rows or columns).
         """
-        c, n, _, wpad = self.a.shape
-        fa, fb = self.a.reshape(c, n, -1), self.b.reshape(c, n, -1)
-        lo = run[0] * wpad + max(0, -self.dx)
-        hi = run[1] * wpad - max(0, self.dx)
-        off = self.dy * wpad + self.dx
-        prod = torch.bmm(
-            fa[:, :, lo:hi].transpose(0, 1), fb[:, :, lo + off : hi + off].permute(1, 2, 0)
-        )
-        return prod.sum(dim=0)
+        if (rows, cols) not in self.memo:
+            c = self.a.shape[0]
+            (r0, r1), (c0, c1), dy, dx = rows, cols, self.dy, self.dx
+            a = self.a[:, :, r0:r1, c0:c1].reshape(c, -1)
+            b = self.b[:, :, r0 + dy : r1 + dy, c0 + dx : c1 + dx].reshape(c, -1)
+            self.memo[rows, cols] = a @ b.t()
+        return self.memo[rows, cols]
 
-    def cols(self, run: Pair, rows: Pair | None = None) -> Tensor:
-        """Pairs whose first pixel lies in grid columns ``run`` and rows ``rows`` (default: the overlap)."""
-        r0, r1 = rows if rows is not None else self.overlap_rows
-        c = self.a.shape[0]
-        a = self.a[:, :, r0:r1, run[0] : run[1]].reshape(c, -1)
-        b = self.b[:, :, r0 + self.dy : r1 + self.dy, run[0] + self.dx : run[1] + self.dx]
-        return a @ b.reshape(c, -1).t()
+    def window(self, full: Tensor, ex_r: tuple[Pair, ...], ex_c: tuple[Pair, ...]) -> Tensor:
+        """``full`` minus the pairs in the excluded row or column runs (inclusion-exclusion)."""
+        if not ex_r and not ex_c:
+            return full
+        total = full.clone()
+        for run in ex_r:
+            total -= self.rect(run, self.cols)
+        for run in ex_c:
+            total -= self.rect(self.rows, run)
+        for row_run in ex_r:
+            for col_run in ex_c:
+                total += self.rect(row_run, col_run)
+        return total
 
 
 def conv2d_a_factor_shift(
@@ -203,115 +273,139 @@ def conv2d_a_factor_shift(
     Memory: one zero-margined copy of the input (its phase grids), the result, and thin boundary bands.
     """
     n, c, h, w = x.shape
-    kh, kw = kernel_size
-    top, bottom, left, right = padding
-    ax_r = _axis(h, kh, stride[0], dilation[0], top, bottom)
-    ax_c = _axis(w, kw, stride[1], dilation[1], left, right)
-    if ax_r.out <= 0 or ax_c.out <= 0:
-        raise ValueError(f"a {h}×{w} input has no output positions under these conv settings")
-    kk = kh * kw
+    plan = _plan(h, w, tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation))
+    kk = kernel_size[0] * kernel_size[1]
     d = c * kk
+    grids = _phase_grids(x, stride, plan)
     out = x.new_empty(d + int(bias), d + int(bias))
-    groups = _pair_groups(ax_r, ax_c, kw)
-    # A shift as large as a grid never pairs two data pixels (those groups are skipped), so margins of at
-    # most the grid size suffice.
-    margin = (
-        min(max(abs(key[0][2]) for key in groups), max(ax_r.length)),
-        min(max(abs(key[1][2]) for key in groups), max(ax_c.length)),
-    )
-    grids = _phase_grids(x, stride, ax_r, ax_c, margin)
-    phases_r, phases_c = sorted(set(ax_r.phase)), sorted(set(ax_c.phase))
-
-    def grid_of(pr: int, pc: int) -> int:
-        return phases_r.index(pr) * len(phases_c) + phases_c.index(pc)
-
-    firsts: list[int] = []
-    seconds: list[int] = []
-    results: list[Tensor] = []
-    zero = x.new_zeros(c, c)
-    for (rk, ck), pairs in groups.items():
-        firsts += [p[0] for p in pairs]
-        seconds += [p[1] for p in pairs]
-        # Overlap: grid-1 coordinates whose partner (shifted by dy, dx) lies in grid 2's data.
-        dy, dx = rk[2], ck[2]
-        rows = (max(0, -dy), min(ax_r.length[rk[0]], ax_r.length[rk[1]] - dy))
-        cols = (max(0, -dx), min(ax_c.length[ck[0]], ax_c.length[ck[1]] - dx))
-        if rows[0] >= rows[1] or cols[0] >= cols[1]:
-            results += [zero] * len(pairs)  # no pixel pair at this shift
-            continue
-        corr = _KeyCorrelator(grids, grid_of(rk[0], ck[0]), grid_of(rk[1], ck[1]), dy, dx, rows)
-        full = corr.full()
-        memo: dict[object, Tensor] = {}
-        for first, _ in pairs:
-            ex_r = _runs(*rows, ax_r.start[first // kw], ax_r.out)
-            ex_c = _runs(*cols, ax_c.start[first % kw], ax_c.out)
-            if (ex_r, ex_c) not in memo:
-                memo[ex_r, ex_c] = _window_sum(corr, full, ex_r, ex_c, memo)
-            results.append(memo[ex_r, ex_c])
-
-    # Blocks are (C, C) slices of the (C, kh·kw, C, kh·kw) view of the weight part: write both triangles.
-    blocks_view = out[:d, :d].view(c, kk, c, kk).permute(1, 3, 0, 2)
-    stacked = torch.stack(results)
-    first_idx, second_idx = torch.tensor(firsts), torch.tensor(seconds)
-    blocks_view[second_idx, first_idx] = stacked.transpose(1, 2)
-    blocks_view[first_idx, second_idx] = stacked
+    if kk == 1 and not plan.groups[0].empty and not any(plan.groups[0].excluded[0]):
+        # 1×1 kernel whose window covers the grid: the whole factor is one GEMM, written in place.
+        if bias:
+            out[:d, :d] = _Correlator(grids, plan.groups[0]).full()
+        else:
+            _Correlator(grids, plan.groups[0]).full(out=out)
+    else:
+        # Block (k, k') is the (C, C) slice [:, k, :, k'] of the (C, kh·kw, C, kh·kw) view.
+        block_view = out[:d, :d].view(c, kk, c, kk).permute(1, 3, 0, 2)
+        for group in plan.groups:
+            if group.empty:  # no pixel pair at this shift
+                for first, second in group.pairs:
+                    block_view[first, second] = 0
+                    block_view[second, first] = 0
+                continue
+            corr = _Correlator(grids, group)
+            full = corr.full()
+            for (first, second), (ex_r, ex_c) in zip(group.pairs, group.excluded, strict=True):
+                block = corr.window(full, ex_r, ex_c)
+                block_view[first, second] = block
+                if first != second:
+                    block_view[second, first] = block.t()
     if bias:
-        _fill_bias(out, grids, ax_r, ax_c, kw, grid_of, n)
+        _fill_bias(out, grids, plan, kernel_size[1], n)
     return out
 
 
-def _window_sum(
-    corr: _KeyCorrelator,
-    full: Tensor,
-    ex_r: tuple[Pair, ...],
-    ex_c: tuple[Pair, ...],
-    memo: dict[object, Tensor],
-) -> Tensor:
-    """``full`` minus the pairs in excluded rows or columns (inclusion-exclusion); band sums are memoised."""
-    if not ex_r and not ex_c:
-        return full
-    total = full.clone()
-    for run in ex_r:
-        if ("r", run) not in memo:
-            memo["r", run] = corr.rows(run)
-        total -= memo["r", run]
-    for run in ex_c:
-        if ("c", run) not in memo:
-            memo["c", run] = corr.cols(run)
-        total -= memo["c", run]
-    for row_run in ex_r:
-        for col_run in ex_c:
-            total += corr.cols(col_run, rows=row_run)
-    return total
-
-
-def _fill_bias(
-    out: Tensor, grids: Tensor, ax_r: _Axis, ax_c: _Axis, kw: int, grid_of, n: int
-) -> None:
-    """Bias row/column: the window sum of each kernel position's grid; corner: ``N·T``."""
+def _fill_bias(out: Tensor, grids: Tensor, plan: _Plan, kw: int, n: int) -> None:
+    """Bias row/column: each kernel position's window sum over its grid; corner: ``N·T``."""
     d = out.shape[0] - 1
     c = grids.shape[1]
+    ax_r, ax_c = plan.ax_r, plan.ax_c
     per_grid = grids.sum(dim=2)  # (grids, C, Hpad, Wpad): summed over examples
     sums = out[:d, d].view(c, -1)
+    sums.zero_()
     for k in range(sums.shape[1]):
         i, j = divmod(k, kw)
-        r0 = max(ax_r.start[i], 0)
-        c0 = max(ax_c.start[j], 0)
+        r0, c0 = max(ax_r.start[i], 0), max(ax_c.start[j], 0)
         r1 = min(ax_r.start[i] + ax_r.out, ax_r.length[ax_r.phase[i]])
         c1 = min(ax_c.start[j] + ax_c.out, ax_c.length[ax_c.phase[j]])
         if r0 < r1 and c0 < c1:
-            g = grid_of(ax_r.phase[i], ax_c.phase[j])
+            g = plan.grid(ax_r.phase[i], ax_c.phase[j])
             sums[:, k] = per_grid[g, :, r0:r1, c0:c1].sum(dim=(1, 2))
     out[d, :d] = out[:d, d]
     out[d, d] = n * ax_r.out * ax_c.out
 
 
+# Cost model for the dispatch, calibrated on the 2-core development machine (float32, 2 threads). Both
+# methods are exact, so a wrong choice only costs time; the constants only need the right order.
+_GEMM_PEAK = 150e9  # FLOP/s of a large GEMM
+_GEMM_HALF = 16  # square GEMM side at which half the peak is reached (thin GEMMs are memory-bound)
+_UNFOLD_PER_ELEMENT = 5e-9  # s per patch element written by F.unfold and re-laid out for the GEMM
+_COPY_PER_ELEMENT = 1e-9  # s per element of a strided copy (phase grids, column bands)
+_CALL = 2e-5  # s of fixed overhead per tensor operation
+
+
+def _gemm_time(m: int, k: int) -> float:
+    """``(m × k) @ (k × m)``: thin GEMMs are memory-bound, and the output is written once."""
+    return 2.0 * m * m * k / (_GEMM_PEAK * m / (m + _GEMM_HALF)) + _COPY_PER_ELEMENT * m * m
+
+
+def _shift_time(plan: _Plan, n: int, c: int) -> float:
+    hpad, wpad = plan.pad_shape
+    k = n * hpad * wpad
+    block = _CALL + _COPY_PER_ELEMENT * c * c  # one pass over a C × C block
+    time = _COPY_PER_ELEMENT * len(plan.grid_phases) * c * k
+    for group in plan.groups:
+        time += 2 * block * len(group.pairs)  # writing the block and its transpose
+        if group.empty:
+            continue
+        time += _gemm_time(c, k) + _CALL
+        rects: set[tuple[Pair, Pair]] = set()
+        for ex_r, ex_c in group.excluded:
+            if ex_r or ex_c:  # clone, then one update per band and per corner
+                time += block * (1 + len(ex_r) + len(ex_c) + len(ex_r) * len(ex_c))
+            rects |= {(run, group.cols) for run in ex_r} | {(group.rows, run) for run in ex_c}
+            rects |= {(r, q) for r in ex_r for q in ex_c}
+        for (r0, r1), (c0, c1) in rects:
+            area = n * (r1 - r0) * (c1 - c0)
+            time += _gemm_time(c, area) + 2 * _COPY_PER_ELEMENT * c * area + 3 * _CALL
+    return time
+
+
+def _unfold_time(n: int, c: int, kk: int, positions: int) -> float:
+    d = c * kk
+    return _gemm_time(d, n * positions) + _UNFOLD_PER_ELEMENT * d * n * positions
+
+
+def fast_method(
+    x: Tensor, kernel_size: Pair, stride: Pair, padding: Padding, dilation: Pair, bias: bool
+) -> str:
+    """The method :func:`conv2d_a_factor` uses for these arguments: ``'shift'`` or ``'unfold'``."""
+    n, c, h, w = x.shape
+    plan = _plan(h, w, tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation))
+    kk = kernel_size[0] * kernel_size[1]
+    positions = plan.ax_r.out * plan.ax_c.out
+    return "shift" if _shift_time(plan, n, c) <= _unfold_time(n, c, kk, positions) else "unfold"
+
+
+def _unfold_chunked(
+    x: Tensor, kernel_size: Pair, stride: Pair, padding: Padding, dilation: Pair, bias: bool
+) -> Tensor:
+    """Unfold + GEMM over batch chunks, so the patch tensor stays within a few times the input's size."""
+    n, c, h, w = x.shape
+    plan = _plan(h, w, tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation))
+    per_example = c * kernel_size[0] * kernel_size[1] * plan.ax_r.out * plan.ax_c.out
+    chunk = max(1, min(n, (4 * c * h * w * n) // per_example))
+    total = None
+    for start in range(0, n, chunk):
+        part = conv2d_a_factor_unfold(
+            x[start : start + chunk], kernel_size, stride, padding, dilation, bias
+        )
+        total = part if total is None else total.add_(part)
+    assert total is not None
+    return total
+
+
 def conv2d_a_factor(
     x: Tensor, kernel_size: Pair, stride: Pair, padding: Padding, dilation: Pair, bias: bool
 ) -> Tensor:
-    """Input factor ``S = Σ_n Σ_t p pᵀ`` by the fastest exact method for the shape.
+    """Input factor ``S = Σ_n Σ_t p pᵀ`` by the faster exact method for the shape (:func:`fast_method`).
 
-    Same contract as :func:`conv2d_a_factor_unfold` (shape ``(D, D)``, patch order of
-    ``weight.reshape(out_channels, -1)``, bias entry last, not normalised, computed in ``x``'s dtype).
+    Same contract as :func:`conv2d_a_factor_unfold`: shape ``(D, D)`` with ``D = C·kh·kw (+1 if bias)``,
+    rows/columns in the order of ``weight.reshape(out_channels, -1)`` with the bias entry last, symmetric,
+    not normalised, computed in ``x``'s dtype. 1×1 kernels (any stride) and most k×k layers take the shift
+    method (for 1×1: subsample, transpose, one GEMM); small channel counts on large kernels take unfold,
+    in batch chunks that bound the patch tensor to a few times the input.
     """
-    return conv2d_a_factor_shift(x, kernel_size, stride, padding, dilation, bias)
+    if fast_method(x, kernel_size, stride, padding, dilation, bias) == "shift":
+        return conv2d_a_factor_shift(x, kernel_size, stride, padding, dilation, bias)
+    return _unfold_chunked(x, kernel_size, stride, padding, dilation, bias)

@@ -1,0 +1,179 @@
+"""The Conv2d input factor: fast shift-correlation path vs im2col reference vs first principles (float64)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kfac_bench.kfac.layers import conv_factor
+from kfac_bench.kfac.layers.conv_factor import (
+    conv2d_a_factor,
+    conv2d_a_factor_shift,
+    conv2d_a_factor_unfold,
+    fast_method,
+)
+
+DT = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Hundreds of tiny products: a second intra-op thread only adds wake-up latency on a shared machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _loop_factor(x, kernel_size, stride, padding, dilation, bias):
+    """Independent definition: zero-pad by hand, walk every output position, build its patch, sum p pᵀ."""
+    n, c, h, w = x.shape
+    kh, kw = kernel_size
+    top, bottom, left, right = padding
+    padded = torch.zeros(n, c, h + top + bottom, w + left + right, dtype=x.dtype)
+    padded[:, :, top : top + h, left : left + w] = x
+    span_h = dilation[0] * (kh - 1) + 1
+    span_w = dilation[1] * (kw - 1) + 1
+    d = c * kh * kw + int(bias)
+    total = torch.zeros(d, d, dtype=x.dtype)
+    for b in range(n):
+        for oy in range(0, padded.shape[2] - span_h + 1, stride[0]):
+            for ox in range(0, padded.shape[3] - span_w + 1, stride[1]):
+                patch = [
+                    padded[b, ch, oy + i * dilation[0], ox + j * dilation[1]]
+                    for ch in range(c)
+                    for i in range(kh)
+                    for j in range(kw)
+                ]
+                if bias:
+                    patch.append(torch.ones((), dtype=x.dtype))
+                p = torch.stack(patch)
+                total += torch.outer(p, p)
+    return total
+
+
+def _assert_close(actual, expected):
+    scale = expected.abs().max()
+    assert actual.shape == expected.shape
+    assert actual.dtype == expected.dtype
+    assert ((actual - expected).abs().max() / scale).item() < 1e-5
+
+
+TINY = [
+    # (N, C, H, W), kernel, stride, padding (top, bottom, left, right), dilation
+    ((2, 2, 5, 4), (3, 2), (2, 1), (1, 0, 0, 1), (1, 2)),
+    ((1, 3, 6, 7), (3, 3), (1, 1), (1, 1, 1, 1), (1, 1)),
+    ((2, 1, 7, 6), (2, 3), (2, 2), (0, 1, 2, 0), (2, 1)),
+    ((1, 2, 5, 5), (1, 1), (2, 2), (1, 0, 1, 0), (1, 1)),
+]
+
+
+@pytest.mark.parametrize(("shape", "kernel", "stride", "padding", "dilation"), TINY)
+@pytest.mark.parametrize("bias", [False, True])
+def test_both_paths_match_loop_over_positions(shape, kernel, stride, padding, dilation, bias):
+    x = torch.randn(*shape, dtype=DT, generator=torch.Generator().manual_seed(0))
+    expected = _loop_factor(x, kernel, stride, padding, dilation, bias)
+    args = (x, kernel, stride, padding, dilation, bias)
+    _assert_close(conv2d_a_factor_unfold(*args), expected)
+    _assert_close(conv2d_a_factor_shift(*args), expected)
+    _assert_close(conv2d_a_factor(*args), expected)
+
+
+def _cases():
+    kernels = [(1, 1), (3, 3), (5, 5), (7, 7), (3, 5), (2, 2)]
+    strides = [(1, 1), (2, 2), (2, 1)]
+    paddings = [(0, 0, 0, 0), (1, 1, 1, 1), (0, 1, 2, 1)]
+    dilations = [(1, 1), (2, 2)]
+    for kernel, stride, padding, dilation in itertools.product(
+        kernels, strides, paddings, dilations
+    ):
+        if kernel == (1, 1) and dilation != (1, 1):
+            continue  # dilation does not change a 1×1 kernel
+        yield pytest.param(
+            kernel, stride, padding, dilation, id=f"k{kernel}-s{stride}-p{padding}-d{dilation}"
+        )
+
+
+@pytest.mark.parametrize(("kernel", "stride", "padding", "dilation"), list(_cases()))
+def test_shift_path_matches_unfold(kernel, stride, padding, dilation):
+    # Odd, non-square spatial size, large enough for a dilated 7×7 kernel without padding.
+    x = torch.randn(2, 3, 15, 13, dtype=DT, generator=torch.Generator().manual_seed(1))
+    for bias in (False, True):
+        args = (x, kernel, stride, padding, dilation, bias)
+        expected = conv2d_a_factor_unfold(*args)
+        _assert_close(conv2d_a_factor_shift(*args), expected)
+        _assert_close(conv2d_a_factor(*args), expected)
+
+
+@pytest.mark.parametrize(
+    ("shape", "kernel", "stride", "padding"),
+    [
+        ((4, 16, 8, 8), (3, 3), (1, 1), (1, 1, 1, 1)),  # ResNet-like, small image
+        ((3, 4, 32, 32), (3, 3), (2, 2), (1, 1, 1, 1)),  # stride-2 transition
+        ((2, 3, 20, 20), (7, 7), (2, 2), (3, 3, 3, 3)),  # ResNet stem
+        ((2, 8, 9, 9), (1, 1), (2, 2), (0, 0, 0, 0)),  # strided 1×1 shortcut
+        ((2, 5, 4, 3), (3, 3), (1, 1), (2, 2, 2, 2)),  # padding larger than half the kernel
+    ],
+)
+def test_dispatcher_matches_unfold_on_network_shapes(shape, kernel, stride, padding):
+    x = torch.randn(*shape, dtype=DT, generator=torch.Generator().manual_seed(2))
+    args = (x, kernel, stride, padding, (1, 1), True)
+    _assert_close(conv2d_a_factor(*args), conv2d_a_factor_unfold(*args))
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
+@pytest.mark.parametrize("same_kernel", [(2, 2), (4, 3), (3, 3)])
+def test_factor_orders_patches_like_the_conv_weight(same_kernel):
+    """W S Wᵀ must equal Σ_{n,t} y yᵀ for y = conv2d(x, W) + b: ties ordering and bias slot to nn.Conv2d."""
+    gen = torch.Generator().manual_seed(3)
+    conv = torch.nn.Conv2d(3, 4, same_kernel, padding="same", dilation=(1, 2), dtype=DT)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(conv.weight.shape, dtype=DT, generator=gen))
+        conv.bias.copy_(torch.randn(4, dtype=DT, generator=gen))
+    x = torch.randn(2, 3, 9, 8, dtype=DT, generator=gen)
+    y = conv(x).permute(1, 0, 2, 3).reshape(4, -1)
+    left, right, top, bottom = conv._reversed_padding_repeated_twice
+    s = conv2d_a_factor(
+        x, conv.kernel_size, conv.stride, (top, bottom, left, right), conv.dilation, True
+    )
+    wb = torch.cat([conv.weight.reshape(4, -1), conv.bias[:, None]], dim=1)
+    _assert_close(wb @ s @ wb.t(), y @ y.t())
+
+
+def test_result_is_symmetric_with_bias_entries_and_input_dtype():
+    x = torch.randn(3, 2, 10, 9, generator=torch.Generator().manual_seed(4))
+    s = conv2d_a_factor(x, (3, 3), (2, 2), (1, 1, 1, 1), (1, 1), True)
+    assert s.dtype == torch.float32
+    assert s.shape == (2 * 9 + 1, 2 * 9 + 1)
+    assert torch.equal(s, s.t())
+    assert s[-1, -1].item() == 3 * 5 * 5  # N·T with a 5×5 output
+    patches = F.unfold(F.pad(x, (1, 1, 1, 1)), (3, 3), stride=2)
+    torch.testing.assert_close(s[:-1, -1], patches.sum(dim=(0, 2)), rtol=1e-5, atol=1e-4)
+
+
+def test_no_output_positions_is_an_error():
+    x = torch.randn(1, 2, 3, 3, dtype=DT)
+    with pytest.raises(ValueError, match="no output positions"):
+        conv2d_a_factor_shift(x, (5, 5), (1, 1), (0, 0, 0, 0), (1, 1), False)
+
+
+def test_dispatch_takes_each_method_where_expected_and_both_are_exact():
+    resnet_3x3 = torch.zeros(128, 16, 32, 32)
+    tiny_map = torch.zeros(8, 512, 2, 2)
+    args = ((3, 3), (1, 1), (1, 1, 1, 1), (1, 1), False)
+    assert fast_method(resnet_3x3, *args) == "shift"
+    assert fast_method(tiny_map, *args) == "unfold"
+    assert (
+        fast_method(torch.zeros(8, 256, 16, 16), (1, 1), (2, 2), (0, 0, 0, 0), (1, 1), False)
+        == "shift"
+    )
+
+
+def test_chunked_unfold_matches_reference():
+    # 7×7 kernel on 3 channels: the patch tensor is ~16× the input, so the batch is split into chunks.
+    x = torch.randn(5, 3, 9, 8, dtype=DT, generator=torch.Generator().manual_seed(5))
+    args = (x, (7, 7), (1, 1), (3, 3, 3, 3), (1, 1), True)
+    _assert_close(conv_factor._unfold_chunked(*args), conv2d_a_factor_unfold(*args))
