@@ -15,11 +15,14 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from kfac_bench.errors import UserError
+
 __all__ = [
     "DataSplits",
     "ResumableSampler",
     "ShardSampler",
     "as_splits",
+    "build",
     "build_loaders",
     "build_splits",
 ]
@@ -55,14 +58,28 @@ def as_splits(built: Any) -> DataSplits:
 def build_splits(dataset_cfg: Any) -> DataSplits:
     """Instantiate a ``dataset`` config. Its builder either returns both splits (see :func:`as_splits`) or
     takes ``train: bool`` and returns one split; it is then called twice (train=True, then False)."""
-    from hydra.utils import get_method, instantiate
+    from hydra.utils import get_method
 
     builder = get_method(dataset_cfg._target_)
     if "train" in inspect.signature(builder).parameters:
-        train = instantiate(dataset_cfg, train=True, _convert_="all")
-        val = instantiate(dataset_cfg, train=False, _convert_="all")
+        train = build(dataset_cfg, train=True)
+        val = build(dataset_cfg, train=False)
         return DataSplits(train, val, getattr(train, "collate_fn", None))
-    return as_splits(instantiate(dataset_cfg, _convert_="all"))
+    return as_splits(build(dataset_cfg))
+
+
+def build(cfg: Any, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` (containers as plain Python), re-raising a builder's
+    :class:`~kfac_bench.errors.UserError` as itself so the CLI reports it in one line."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(cfg, _convert_="all", **kwargs)
+    except InstantiationException as exc:
+        if isinstance(exc.__cause__, UserError):
+            raise exc.__cause__ from None
+        raise
 
 
 class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
@@ -27,7 +26,7 @@ from kfac_bench.metrics.progress import Progress
 from kfac_bench.metrics.tracker import Clock, TargetTracker, Throughput
 from kfac_bench.train import checkpoint as ckpt
 from kfac_bench.train import distributed
-from kfac_bench.train.data import build_loaders, build_splits
+from kfac_bench.train.data import build, build_loaders, build_splits
 from kfac_bench.train.kfac_adapter import build_preconditioner
 from kfac_bench.train.loop import Loop, TrainState, train
 from kfac_bench.train.optim import build_lr_scheduler, build_optimizer, lr_factor
@@ -102,8 +101,8 @@ def _run(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv, device: torch
     run_dir.mkdir(parents=True, exist_ok=True)
     _seed(t.seed)
     splits = build_splits(cfg.dataset)
-    task = instantiate(cfg.task, _convert_="all")
-    module: nn.Module = instantiate(cfg.model, _convert_="all").to(device)
+    task = build(cfg.task)
+    module: nn.Module = build(cfg.model).to(device)
     _seed(t.seed + env.rank)  # per-rank streams for augmentation/dropout; the model init is shared
     accum = accumulation_steps(
         t.batch_size, env.world_size, t.global_batch_size, t.accumulation_steps
