@@ -45,12 +45,14 @@ def unpack_triu(v: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _new_group(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
-    """A process group of ``ranks`` (None for a single rank: nothing to send)."""
+    """A process group of ``ranks``; None for a single rank (nothing to send) and on non-members.
+
+    Collective: every rank must call it, members or not, in the same order.
+    """
     if len(ranks) == 1:
         return None
     group = dist.new_group(list(ranks))
-    assert isinstance(group, dist.ProcessGroup)
-    return group
+    return group if isinstance(group, dist.ProcessGroup) else None
 
 
 @dataclass
@@ -150,6 +152,7 @@ class Communicator:
         if self.comm_dtype is not None:
             flat = flat.to(self.comm_dtype)
         self.counts["factor_allreduce" if b.dst is None else "factor_reduce"] += 1
+        work: dist.Work | None
         if b.dst is None:
             work = dist.all_reduce(flat, async_op=True)
         else:
