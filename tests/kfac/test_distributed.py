@@ -162,7 +162,7 @@ def test_every_strategy_equals_a_single_process(world: int) -> None:
                         w,
                         rtol=1e-5,
                         atol=1e-9,
-                        msg=lambda m: f"{cfg} rank {rank} step {step}: {m}",
+                        msg=lambda m, c=cfg, r=rank, s=step: f"{c} rank {r} step {s}: {m}",
                     )
         for res in results[1:]:  # parameters stay identical across ranks
             for a, b in zip(res[i]["params"], results[0][i]["params"]):
@@ -290,7 +290,7 @@ def failing_worker(rank: int, world: int) -> None:
 
 
 def test_a_failing_rank_fails_the_test_instead_of_hanging() -> None:
-    with pytest.raises(RuntimeError, match="rank 1 failed(.|\n)*injected failure"):
+    with pytest.raises(RuntimeError, match=r"rank 1 failed[\s\S]*injected failure"):
         run_distributed(failing_worker, 2, timeout=60)
 
 
