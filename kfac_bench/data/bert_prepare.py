@@ -45,7 +45,6 @@ from kfac_bench.data.bert_corpus import (
     tokenize_documents,
     train_tokenizer,
     vocab_ids,
-    write_pydoc_corpus,
 )
 from kfac_bench.errors import ConfigError, DatasetError
 
@@ -361,44 +360,6 @@ def _clear_old_shards(out: Path, overwrite: bool) -> None:
         )
     for path in old:
         path.unlink()
-
-
-def prepare_pydoc_shards(
-    output_dir: str | os.PathLike[str],
-    *,
-    max_documents: int | None = None,
-    vocab_size: int = 2000,
-    max_seq_length: int = 128,
-    max_predictions_per_seq: int = 20,
-    dupe_factor: int = 1,
-    num_shards: int = 2,
-    heldout_fraction: float = 0.1,
-    seed: int = 12345,
-    vocab_trainer: str = "frequency",
-    overwrite: bool = False,
-) -> PrepareResult:
-    """Shards (and a vocabulary) from the English documentation that ships with Python.
-
-    Writes the corpus to ``output_dir/pydoc_corpus.txt`` first (see
-    :func:`kfac_bench.data.bert_corpus.write_pydoc_corpus`); used by tests and the smoke recipe. The
-    default ``frequency`` vocabulary keeps the shards identical from run to run.
-    """
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    corpus = write_pydoc_corpus(out / "pydoc_corpus.txt", max_documents=max_documents)
-    return prepare_shards(
-        [corpus],
-        out,
-        vocab_size=vocab_size,
-        max_seq_length=max_seq_length,
-        max_predictions_per_seq=max_predictions_per_seq,
-        dupe_factor=dupe_factor,
-        num_shards=num_shards,
-        seed=seed,
-        heldout_fraction=heldout_fraction,
-        vocab_trainer=vocab_trainer,
-        overwrite=overwrite,
-    )
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from kfac_bench.data.bert_corpus import SPECIAL_TOKENS, pydoc_documents, write_pydoc_corpus
-from kfac_bench.data.bert_prepare import main, prepare_pydoc_shards, prepare_shards
+from kfac_bench.data.bert_prepare import main, prepare_shards
+from kfac_bench.data.bert_smoke import prepare_pydoc_shards
 from kfac_bench.errors import ConfigError, DatasetError
 
 SEQ, PREDS = 128, 20  # the paper's phase 1

@@ -18,8 +18,8 @@ from kfac_bench.data.bert import (
     build_bert_pretraining,
     rank_range,
 )
-from kfac_bench.data.bert_prepare import prepare_pydoc_shards
-from kfac_bench.errors import DatasetError
+from kfac_bench.data.bert_smoke import build_bert_pydoc, prepare_pydoc_shards
+from kfac_bench.errors import ConfigError, DatasetError
 
 SEQ, PREDS = 12, 4
 
@@ -127,6 +127,28 @@ def test_prepared_shards_round_trip(tmp_path: Path) -> None:
         assert labelled == raw["masked_lm_positions"][row][:k].tolist()
         assert item["labels"][labelled].tolist() == raw["masked_lm_ids"][row][:k].tolist()
         assert item["next_sentence_label"].item() == raw["next_sentence_labels"][row]
+
+
+def test_pydoc_builder_prepares_once(tmp_path: Path, hand_shards: Path) -> None:
+    kwargs = {
+        "max_seq_length": 32,
+        "max_predictions_per_seq": 5,
+        "vocab_size": 600,
+        "max_documents": 10,
+    }
+    root = tmp_path / "smoke"
+    splits = build_bert_pydoc(str(root), **kwargs)
+    assert len(splits.train) > 50 and len(splits.val) > 0
+    assert splits.train.max_seq_length == 32 and splits.val.max_predictions_per_seq == 5
+    shard = root / "part-00000-of-00002.hdf5"
+    stamp = shard.stat().st_mtime_ns
+    build_bert_pydoc(str(root), **kwargs)  # reused as they are
+    assert shard.stat().st_mtime_ns == stamp
+    assert (
+        build_bert_pydoc(str(root), **{**kwargs, "max_seq_length": 48}).train.max_seq_length == 48
+    )
+    with pytest.raises(ConfigError, match="did not make"):
+        build_bert_pydoc(str(hand_shards))  # never overwrites someone else's shards
 
 
 def test_clear_errors(tmp_path: Path, hand_shards: Path) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from kfac_bench.data.bert import BertPretrainingDataset
-from kfac_bench.data.bert_prepare import prepare_pydoc_shards
+from kfac_bench.data.bert_smoke import prepare_pydoc_shards
 from kfac_bench.errors import ConfigError
 from kfac_bench.kfac.preconditioner import KFACPreconditioner
 from kfac_bench.models.bert import BERT_KFAC_SKIP_LAYERS, bert_config, build_bert
