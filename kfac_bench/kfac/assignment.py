@@ -89,11 +89,12 @@ def assign(
     layers: Sequence[LayerShape],
     world_size: int,
     grad_worker_fraction: float = 1.0,
-    strategy: AssignmentStrategy = AssignmentStrategy.COMPUTE,
+    strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
     colocate_factors: bool = True,
-    placement: Placement = Placement.LPT,
+    placement: Placement | str = Placement.LPT,
 ) -> dict[str, LayerWork]:
     """The placement of every layer's decompositions and gradient workers."""
+    strategy, placement = AssignmentStrategy.parse(strategy), Placement.parse(placement)
     m = grad_workers_per_layer(grad_worker_fraction, world_size)
     if placement is Placement.ROUND_ROBIN:
         owners = _round_robin(

@@ -62,6 +62,66 @@ class _Bucket:
     numel: int = 0
 
 
+class StepReduction:
+    """One step's averaging of batch factors across ranks, overlapping the backward pass.
+
+    Buckets follow a fixed plan, the same on every rank. A bucket is launched (asynchronously) as soon as
+    all its factors have been added and every earlier bucket has been launched, so the launch order is
+    identical on every rank even if factors became ready in a different order. :meth:`finish` launches
+    what is left (with only the factors present: a layer that did not run is absent on every rank alike),
+    waits, and returns ``key -> averaged factor`` for all-reduced keys and keys reduced to this rank.
+    """
+
+    def __init__(self, comm: Communicator, plan: list[_Bucket]) -> None:
+        self.comm = comm
+        self.plan = plan
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.next = 0
+        self.pending: list[tuple[_Bucket, torch.Tensor, dist.Work]] = []
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        """A factor is final for this step: launch every bucket that is now complete, in plan order."""
+        self.tensors[key] = tensor
+        while self.next < len(self.plan) and all(
+            k in self.tensors for k in self.plan[self.next].keys
+        ):
+            self._launch(self.plan[self.next])
+            self.next += 1
+
+    def finish(
+        self, items: Sequence[tuple[str, torch.Tensor, int | None]]
+    ) -> dict[str, torch.Tensor]:
+        for key, t, _ in items:
+            self.tensors[key] = t
+        if not self.comm.distributed:
+            return dict(self.tensors)
+        for b in self.plan[self.next :]:
+            present = [k for k in b.keys if k in self.tensors]
+            if present:
+                self._launch(_Bucket(present, b.dst))
+        self.next = len(self.plan)
+        out: dict[str, torch.Tensor] = {}
+        for b, flat, work in self.pending:
+            work.wait()
+            if b.dst is not None and b.dst != self.comm.rank:
+                continue
+            flat = flat.to(self.tensors[b.keys[0]].dtype) / self.comm.world_size
+            offset = 0
+            for key in b.keys:
+                t = self.tensors[key]
+                n = t.shape[0] * (t.shape[0] + 1) // 2 if self.comm.symmetry_aware else t.numel()
+                part = flat[offset : offset + n]
+                offset += n
+                out[key] = (
+                    unpack_triu(part, t.shape[0]) if self.comm.symmetry_aware else part.view_as(t)
+                )
+        return out
+
+    def _launch(self, b: _Bucket) -> None:
+        flat, work = self.comm._launch(b, self.tensors)
+        self.pending.append((b, flat, work))
+
+
 class Communicator:
     """Process groups and collectives for one preconditioner."""
 
@@ -100,47 +160,31 @@ class Communicator:
                 self._recv_groups[ranks] = _new_group(ranks)
 
     # ---------------------------------------------------------------- factors
+    def plan_buckets(
+        self, entries: Sequence[tuple[str, int, int | None]], element_size: int
+    ) -> None:
+        """Fix the factor buckets: ``(key, dim, dst)`` in backward order (the order factors become
+        ready), consecutive keys with the same ``dst`` grouped up to ``bucket_cap_mb``."""
+        cap = self.bucket_cap_mb * 2**20
+        self.buckets: list[_Bucket] = []
+        for key, dim, dst in entries:
+            numel = dim * (dim + 1) // 2 if self.symmetry_aware else dim * dim
+            b = self.buckets[-1] if self.buckets else None
+            if b is None or b.dst != dst or (b.keys and (b.numel + numel) * element_size > cap):
+                b = _Bucket(dst=dst)
+                self.buckets.append(b)
+            b.keys.append(key)
+            b.numel += numel
+
+    def start_reduction(self) -> StepReduction:
+        """A new step's factor reduction over the planned buckets."""
+        return StepReduction(self, getattr(self, "buckets", []))
+
     def reduce_factors(
         self, items: Sequence[tuple[str, torch.Tensor, int | None]]
     ) -> dict[str, torch.Tensor]:
-        """Average symmetric factors across ranks, in buckets.
-
-        Args:
-            items: ``(key, factor, dst)`` in the same order on every rank; ``dst=None`` all-reduces,
-                an int reduces to that rank only.
-
-        Returns:
-            ``key -> averaged factor`` for every all-reduced item and every item whose ``dst`` is this rank.
-        """
-        if not self.distributed:
-            return {k: t for k, t, _ in items}
-        cap = self.bucket_cap_mb * 2**20
-        buckets: list[_Bucket] = []
-        tensors = {k: t for k, t, _ in items}
-        for key, t, dst in items:
-            numel = t.shape[0] * (t.shape[0] + 1) // 2 if self.symmetry_aware else t.numel()
-            b = buckets[-1] if buckets else None
-            size = (b.numel + numel) * t.element_size() if b else 0
-            if b is None or b.dst != dst or (b.keys and size > cap):
-                b = _Bucket(dst=dst)
-                buckets.append(b)
-            b.keys.append(key)
-            b.numel += numel
-        pending = [(b, *self._launch(b, tensors)) for b in buckets]
-        out: dict[str, torch.Tensor] = {}
-        for b, flat, work in pending:
-            work.wait()
-            if b.dst is not None and b.dst != self.rank:
-                continue
-            flat = flat.to(tensors[b.keys[0]].dtype) / self.world_size
-            offset = 0
-            for key in b.keys:
-                t = tensors[key]
-                n = t.shape[0] * (t.shape[0] + 1) // 2 if self.symmetry_aware else t.numel()
-                part = flat[offset : offset + n]
-                offset += n
-                out[key] = unpack_triu(part, t.shape[0]) if self.symmetry_aware else part.view_as(t)
-        return out
+        """Average all ``(key, factor, dst)`` items at once (see :class:`StepReduction`)."""
+        return self.start_reduction().finish(items)
 
     def _launch(
         self, b: _Bucket, tensors: dict[str, torch.Tensor]

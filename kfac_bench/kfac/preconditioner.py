@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from . import assignment as asg
-from .comm import Communicator
+from .comm import Communicator, StepReduction
 from .factors import running_average
 from .layers import NOT_SUPPORTED, handler_for
 from .options import (
@@ -150,6 +150,8 @@ class KFACPreconditioner:
         )
 
         self.layers: dict[str, LayerState] = {}
+        self._micro_batches = 0
+        self._reduction: StepReduction | None = None
         self._register(model)
         self.comm = Communicator({}, allreduce_bucket_cap_mb, symmetry_aware, comm_dtype)
         self.grad_worker_fraction = _fraction(grad_worker_fraction, self.comm.world_size)
@@ -181,6 +183,7 @@ class KFACPreconditioner:
             layer = LayerState(name, module, handler, a_dim, module.weight.shape[0])
             layer.handles.append(module.register_forward_hook(self._forward_hook(layer)))
             self.layers[name] = layer
+        self._root_handle = model.register_forward_pre_hook(self._count_micro_batch)
         logger.info(
             "K-FAC preconditions %d layers; skipped by skip_layers: %d%s",
             len(self.layers),
@@ -202,8 +205,19 @@ class KFACPreconditioner:
         for name, work in plan.items():
             self.layers[name].work = work
         self.comm.set_plan(plan)
+        reduce = self.factor_reduction is FactorReduction.REDUCE
+        entries = [  # backward order: the last layer's factors are ready first
+            (f"{name}/{kind}", dim, owner if reduce else None)
+            for name, w in reversed(plan.items())
+            for kind, dim, owner in (("g", w.g_dim, w.g_owner), ("a", w.a_dim, w.a_owner))
+        ]
+        self.comm.plan_buckets(entries, torch.empty((), dtype=self.factor_dtype).element_size())
 
     # ------------------------------------------------------------------ hooks
+    def _count_micro_batch(self, module: nn.Module, args: Any) -> None:
+        if self._collecting and torch.is_grad_enabled():
+            self._micro_batches += 1
+
     def _forward_hook(self, layer: LayerState) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if not (
@@ -218,6 +232,7 @@ class KFACPreconditioner:
                 # A prehook on the node that produced the output sees dL/d(output) even when the output
                 # is later modified in place (e.g. an inplace ReLU), unlike a tensor hook.
                 node.register_prehook(self._grad_hook(layer, module, output.output_nr))
+                layer.pending_g += 1
 
         return hook
 
@@ -234,8 +249,22 @@ class KFACPreconditioner:
                 gram = gram._replace(sum=gram.sum / scale**2)
             layer.g_batch.add(gram, self.factor_scaling, True, layer.handler.spatial)
             layer.seen_g = True
+            layer.pending_g -= 1
+            if layer.pending_g == 0 and self._micro_batches >= self.accumulation_steps:
+                self._layer_factors_ready(layer)
 
         return hook
+
+    def _layer_factors_ready(self, layer: LayerState) -> None:
+        """The layer's batch factors are final for this step: start reducing them while backward goes on."""
+        if not self.comm.distributed:
+            return
+        if self._reduction is None:
+            self._reduction = self.comm.start_reduction()
+        for kind, acc, is_g in (("g", layer.g_batch, True), ("a", layer.a_batch, False)):
+            f = acc.pop(self.factor_scaling, is_g)
+            if f is not None:
+                self._reduction.add(f"{layer.name}/{kind}", f)
 
     def _loss_scale(self) -> torch.Tensor | float | None:
         s = self.grad_scaler
@@ -282,6 +311,7 @@ class KFACPreconditioner:
         self._write_gradients(grads, nu)
         self.steps += 1
         self._collecting = is_due(self.factor_update_steps, self.steps)
+        self._micro_batches = 0
 
     def _batch_factors(self) -> list[tuple[str, torch.Tensor, int | None]]:
         """Normalised batch factors of this step, keyed ``"<layer>/a"``, with their reduction target."""
@@ -301,7 +331,8 @@ class KFACPreconditioner:
     def _reduce_factors(
         self, items: list[tuple[str, torch.Tensor, int | None]]
     ) -> dict[str, torch.Tensor]:
-        return self.comm.reduce_factors(items)
+        reduction, self._reduction = self._reduction, None
+        return (reduction or self.comm.start_reduction()).finish(items)
 
     def _update_running_factors(self, batch: dict[str, torch.Tensor], decay: float) -> None:
         for name, layer in self.layers.items():
@@ -540,6 +571,7 @@ class KFACPreconditioner:
         """Detach every hook: the model trains as if the preconditioner had never been attached."""
         for layer in self.layers.values():
             layer.remove_hooks()
+        self._root_handle.remove()
         self._collecting = False
 
     def state_dict(self, include_decompositions: bool = False) -> dict[str, Any]:

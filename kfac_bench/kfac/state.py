@@ -56,6 +56,8 @@ class LayerState:
     outer: torch.Tensor | None = None
     # Device-side flag: a non-finite batch factor was skipped since the last check (no host sync to set).
     nonfinite: torch.Tensor | None = None
+    # Gradient hooks registered in this micro-batch's forward that have not fired yet.
+    pending_g: int = 0
     seen_a: bool = False
     seen_g: bool = False
     handles: list[RemovableHandle] = field(default_factory=list)

@@ -137,6 +137,7 @@ class _Plan:
     grid_phases: tuple[Pair, ...]  # (row phase, column phase) of each grid
     margin: Pair
     groups: tuple[_Group, ...]
+    strip_cols: tuple[tuple[int, ...], ...]  # per grid: the columns that column bands read
 
     def grid(self, pr: int, pc: int) -> int:
         return self.grid_phases.index((pr, pc))
@@ -195,7 +196,13 @@ def _plan(
         min(max(abs(g.dy) for g in live), max(ax_r.length)),
         min(max(abs(g.dx) for g in live), max(ax_c.length)),
     )
-    return _Plan(ax_r, ax_c, grid_phases, margin, tuple(groups))
+    strip_cols: list[set[int]] = [set() for _ in grid_phases]
+    for g in live:
+        for run in {run for _, ex_c in g.excluded for run in ex_c}:
+            strip_cols[g.g1].update(range(*run))
+            strip_cols[g.g2].update(range(run[0] + g.dx, run[1] + g.dx))
+    strips = tuple(tuple(sorted(cols)) for cols in strip_cols)
+    return _Plan(ax_r, ax_c, grid_phases, margin, tuple(groups), strips)
 
 
 def _phase_grids(x: Tensor, stride: Pair, plan: _Plan) -> Tensor:
@@ -216,6 +223,30 @@ def _phase_grids(x: Tensor, stride: Pair, plan: _Plan) -> Tensor:
     return grids
 
 
+class _Strips:
+    """Column strips of the grids, ``(C, columns, N, Hpad)`` and contiguous, extracted once per call.
+
+    Column bands are strided in the grids (one element per row); reading them from a strip makes each
+    band a contiguous slice, and the strip is shared by every group that corrects the same columns.
+    """
+
+    def __init__(self, grids: Tensor, plan: _Plan) -> None:
+        self.grids, self.plan = grids, plan
+        self.cache: dict[int, tuple[Tensor, dict[int, int]]] = {}
+
+    def band(self, g: int, rows: Pair, cols: Pair) -> Tensor:
+        """Grid ``g`` restricted to ``rows × cols`` as a ``(C, cols·N·rows)`` matrix."""
+        if g not in self.cache:
+            columns = self.plan.strip_cols[g]
+            index = torch.tensor(columns, device=self.grids.device)
+            strip = self.grids[g].index_select(3, index).permute(0, 3, 1, 2).contiguous()
+            self.cache[g] = (strip, {col: i for i, col in enumerate(columns)})
+        strip, position = self.cache[g]
+        start = position[cols[0]]  # the run's columns are consecutive in the strip
+        part = strip[:, start : start + cols[1] - cols[0], :, rows[0] : rows[1]]
+        return part.reshape(strip.shape[0], -1)
+
+
 class _Correlator:
     """Correlations of grid ``g1`` with grid ``g2`` shifted by ``(dy, dx)``, whole or over bands.
 
@@ -223,8 +254,9 @@ class _Correlator:
     it names; band sums are memoised because several blocks of a group exclude the same band.
     """
 
-    def __init__(self, grids: Tensor, group: _Group) -> None:
+    def __init__(self, grids: Tensor, group: _Group, strips: _Strips) -> None:
         self.a, self.b = grids[group.g1], grids[group.g2]  # (C, N, Hpad, Wpad)
+        self.group, self.strips = group, strips
         self.dy, self.dx = group.dy, group.dx
         self.rows, self.cols = group.rows, group.cols
         self.memo: dict[tuple[Pair, Pair], Tensor] = {}
@@ -237,16 +269,23 @@ class _Correlator:
         lo, hi = max(0, -off), fa.shape[1] - max(0, off)
         return torch.mm(fa[:, lo:hi], fb[:, lo + off : hi + off].t(), out=out)
 
-    def rect(self, rows: Pair, cols: Pair) -> Tensor:
-        """Pairs whose first pixel lies in the grid rectangle ``rows × cols`` (within the overlap).
-
-        Boundary bands are strided in memory, so they are copied; they are thin (a few rows or columns).
-        """
-        if (rows, cols) not in self.memo:
+    def row_band(self, rows: Pair) -> Tensor:
+        """Pairs whose first pixel lies in grid rows ``rows`` (whole overlap width): a thin copy + GEMM."""
+        if (rows, self.cols) not in self.memo:
             c = self.a.shape[0]
-            (r0, r1), (c0, c1), dy, dx = rows, cols, self.dy, self.dx
+            (r0, r1), (c0, c1), dy, dx = rows, self.cols, self.dy, self.dx
             a = self.a[:, :, r0:r1, c0:c1].reshape(c, -1)
             b = self.b[:, :, r0 + dy : r1 + dy, c0 + dx : c1 + dx].reshape(c, -1)
+            self.memo[rows, self.cols] = a @ b.t()
+        return self.memo[rows, self.cols]
+
+    def col_band(self, cols: Pair, rows: Pair | None = None) -> Tensor:
+        """Pairs whose first pixel lies in grid columns ``cols`` and rows ``rows`` (default: overlap)."""
+        rows = rows if rows is not None else self.rows
+        if (rows, cols) not in self.memo:
+            g, dy, dx = self.group, self.dy, self.dx
+            a = self.strips.band(g.g1, rows, cols)
+            b = self.strips.band(g.g2, (rows[0] + dy, rows[1] + dy), (cols[0] + dx, cols[1] + dx))
             self.memo[rows, cols] = a @ b.t()
         return self.memo[rows, cols]
 
@@ -256,12 +295,12 @@ class _Correlator:
             return full
         total = full.clone()
         for run in ex_r:
-            total -= self.rect(run, self.cols)
+            total -= self.row_band(run)
         for run in ex_c:
-            total -= self.rect(self.rows, run)
+            total -= self.col_band(run)
         for row_run in ex_r:
             for col_run in ex_c:
-                total += self.rect(row_run, col_run)
+                total += self.col_band(col_run, rows=row_run)
         return total
 
 
@@ -277,13 +316,14 @@ def conv2d_a_factor_shift(
     kk = kernel_size[0] * kernel_size[1]
     d = c * kk
     grids = _phase_grids(x, stride, plan)
+    strips = _Strips(grids, plan)
     out = x.new_empty(d + int(bias), d + int(bias))
     if kk == 1 and not plan.groups[0].empty and not any(plan.groups[0].excluded[0]):
         # 1×1 kernel whose window covers the grid: the whole factor is one GEMM, written in place.
         if bias:
-            out[:d, :d] = _Correlator(grids, plan.groups[0]).full()
+            out[:d, :d] = _Correlator(grids, plan.groups[0], strips).full()
         else:
-            _Correlator(grids, plan.groups[0]).full(out=out)
+            _Correlator(grids, plan.groups[0], strips).full(out=out)
     else:
         # Block (k, k') is the (C, C) slice [:, k, :, k'] of the (C, kh·kw, C, kh·kw) view.
         block_view = out[:d, :d].view(c, kk, c, kk).permute(1, 3, 0, 2)
@@ -293,7 +333,7 @@ def conv2d_a_factor_shift(
                     block_view[first, second] = 0
                     block_view[second, first] = 0
                 continue
-            corr = _Correlator(grids, group)
+            corr = _Correlator(grids, group, strips)
             full = corr.full()
             for (first, second), (ex_r, ex_c) in zip(group.pairs, group.excluded, strict=True):
                 block = corr.window(full, ex_r, ex_c)
@@ -373,6 +413,8 @@ def fast_method(
     n, c, h, w = x.shape
     plan = _plan(h, w, tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation))
     kk = kernel_size[0] * kernel_size[1]
+    if kk == 1:
+        return "shift"  # subsample + one GEMM: never slower than unfolding a 1×1 kernel
     positions = plan.ax_r.out * plan.ax_c.out
     return "shift" if _shift_time(plan, n, c) <= _unfold_time(n, c, kk, positions) else "unfold"
 
@@ -383,8 +425,10 @@ def _unfold_chunked(
     """Unfold + GEMM over batch chunks, so the patch tensor stays within a few times the input's size."""
     n, c, h, w = x.shape
     plan = _plan(h, w, tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation))
-    per_example = c * kernel_size[0] * kernel_size[1] * plan.ax_r.out * plan.ax_c.out
-    chunk = max(1, min(n, (4 * c * h * w * n) // per_example))
+    d = c * kernel_size[0] * kernel_size[1]
+    per_example = d * plan.ax_r.out * plan.ax_c.out
+    # The patches may be as large as the result itself (d²) or a few times the input, whichever is larger.
+    chunk = max(1, min(n, max(4 * c * h * w * n, d * d) // per_example))
     total = None
     for start in range(0, n, chunk):
         part = conv2d_a_factor_unfold(
