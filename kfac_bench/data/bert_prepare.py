@@ -270,6 +270,7 @@ def _write_shards(
 def _check_args(
     max_seq_length: int,
     max_predictions_per_seq: int,
+    masked_lm_prob: float,
     dupe_factor: int,
     num_shards: int,
     heldout: float,
@@ -282,6 +283,8 @@ def _check_args(
         )
     if dupe_factor < 1 or num_shards < 1:
         raise ConfigError("dupe_factor and num_shards must be at least 1")
+    if not 0.0 < masked_lm_prob <= 1.0:
+        raise ConfigError(f"masked_lm_prob must be in (0, 1], got {masked_lm_prob}")
     if not 0.0 <= heldout < 1.0:
         raise ConfigError(f"heldout_fraction must be in [0, 1), got {heldout}")
 
@@ -317,11 +320,18 @@ def prepare_shards(
         ConfigError: bad sizes, or shards already in ``output_dir`` and not ``overwrite``.
         DatasetError: a missing input/vocab file, or fewer than two documents per split.
     """
-    _check_args(max_seq_length, max_predictions_per_seq, dupe_factor, num_shards, heldout_fraction)
+    _check_args(
+        max_seq_length,
+        max_predictions_per_seq,
+        masked_lm_prob,
+        dupe_factor,
+        num_shards,
+        heldout_fraction,
+    )
     out = Path(output_dir)
-    _clear_old_shards(out, overwrite)
-    out.mkdir(parents=True, exist_ok=True)
+    old = _old_shards(out, overwrite)
     texts = read_documents(input_files)
+    out.mkdir(parents=True, exist_ok=True)
     if vocab_file is None:
         tokenizer, vocab_path = train_tokenizer(
             input_files, vocab_size, out, lowercase, vocab_trainer
@@ -338,6 +348,8 @@ def prepare_shards(
     train = create_instances(
         train_docs, vocab, *sizes, dupe_factor, rng, masked_lm_prob, short_seq_prob
     )
+    for path in old:  # only now: a failure above leaves the previous shards as they were
+        path.unlink()
     shards = _write_shards(out, train, num_shards, vocab, *sizes)
     heldout_paths: list[Path] = []
     heldout: list[Instance] = []
@@ -349,17 +361,17 @@ def prepare_shards(
     return PrepareResult(shards, heldout_paths, vocab_path, vocab.size, len(train), len(heldout))
 
 
-def _clear_old_shards(out: Path, overwrite: bool) -> None:
+def _old_shards(out: Path, overwrite: bool) -> list[Path]:
+    """Shards a previous run left in ``out`` (the reader would mix them with the new ones)."""
     old: list[Path] = []
     for d in (out, out / HELDOUT_SUBDIR):
-        with contextlib.suppress(DatasetError):  # no directory or no shards: nothing to clear
+        with contextlib.suppress(DatasetError):  # no directory or no shards there
             old += list_shards(d)
     if old and not overwrite:
         raise ConfigError(
             f"{out} already holds {len(old)} shard files: pass --overwrite or use a new --output-dir"
         )
-    for path in old:
-        path.unlink()
+    return old
 
 
 def _parser() -> argparse.ArgumentParser:

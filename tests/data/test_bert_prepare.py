@@ -233,7 +233,8 @@ def test_refuses_to_mix_with_old_shards_and_bad_input(prepared, tmp_path: Path) 
     with pytest.raises(DatasetError, match="two documents"):
         prepare_shards([one_doc], tmp_path / "x", **kwargs)
     with pytest.raises(DatasetError, match=r"missing\.txt"):
-        prepare_shards([tmp_path / "missing.txt"], tmp_path / "y", **kwargs)
+        prepare_shards([tmp_path / "missing.txt"], tmp_path, overwrite=True, **kwargs)
+    assert [p.name for p in tmp_path.glob("*.hdf5")] == ["part-00000-of-00001.hdf5"]  # kept
     with pytest.raises(ConfigError, match="max_predictions_per_seq"):
         prepare_shards(
             [corpus], tmp_path / "z", max_predictions_per_seq=0, vocab_file=prepared.vocab_file
