@@ -90,7 +90,13 @@ def test_memory_strategy_uses_square_costs() -> None:
 def test_round_robin_reproduces_the_sc20_rule() -> None:
     # Fewer ranks than layers: whole layers cycle through the ranks.
     plan = assign(layers(5), world_size=2, placement=Placement.ROUND_ROBIN)
-    assert [(w.a_owner, w.g_owner) for w in plan.values()] == [(0, 0), (1, 1), (0, 0), (1, 1), (0, 0)]
+    assert [(w.a_owner, w.g_owner) for w in plan.values()] == [
+        (0, 0),
+        (1, 1),
+        (0, 0),
+        (1, 1),
+        (0, 0),
+    ]
     # More ranks than layers: A and G go to consecutive ranks.
     plan = assign(layers(3), world_size=4, placement="round_robin")
     assert [(w.a_owner, w.g_owner) for w in plan.values()] == [(0, 1), (2, 3), (0, 1)]
