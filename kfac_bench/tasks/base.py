@@ -1,7 +1,8 @@
 """The contract between the training loop and a benchmark family.
 
-The loop (``kfac_bench.train.loop``) owns the order of a step; a task only says what the loss of a batch is
-and how a model is evaluated. Tasks never call ``backward()``, never touch the optimizer or the preconditioner.
+The loop (``kfac_bench.train.loop``) owns the order of a step; a task only says what the loss of a batch
+is and how a model is evaluated. Tasks never call ``backward()`` nor touch the optimizer or the
+preconditioner.
 """
 
 from __future__ import annotations
