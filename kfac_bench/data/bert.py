@@ -2,18 +2,14 @@
 
 A shard is an HDF5 file holding one example per row in six datasets (``n`` rows each):
 
-==========================  ======================================  ==========================
-dataset                     shape                                   dtype written (read: any int)
-==========================  ======================================  ==========================
-``input_ids``               (n, max_seq_length)                     int32
-``input_mask``              (n, max_seq_length)                     int8  (1 = real token)
-``segment_ids``             (n, max_seq_length)                     int8  (0 = sentence A, 1 = B)
-``masked_lm_positions``     (n, max_predictions_per_seq)            int32 (0 = padding)
-``masked_lm_ids``           (n, max_predictions_per_seq)            int32 (original token ids)
-``next_sentence_labels``    (n,)                                    int8  (1 = B is a random sentence)
-==========================  ======================================  ==========================
+* ``input_ids``: (n, max_seq_length), written as int32;
+* ``input_mask``: (n, max_seq_length), int8, 1 = real token, 0 = padding;
+* ``segment_ids``: (n, max_seq_length), int8, 0 = ``[CLS]`` A ``[SEP]``, 1 = B ``[SEP]``;
+* ``masked_lm_positions``: (n, max_predictions_per_seq), int32, ascending, 0 = padding;
+* ``masked_lm_ids``: (n, max_predictions_per_seq), int32, the original ids at those positions;
+* ``next_sentence_labels``: (n,), int8, 1 = B is a random sentence, 0 = B follows A.
 
-This is the layout written by NVIDIA's ``create_pretraining_data.py`` (and by
+Any integer dtype is read. This is the layout written by NVIDIA's ``create_pretraining_data.py`` (and by
 :mod:`kfac_bench.data.bert_prepare`). Position 0 holds ``[CLS]``, which is never masked, so a masked
 position of 0 marks padding, exactly as NVIDIA's loader reads it.
 
@@ -101,7 +97,9 @@ class BertPretrainingDataset(Dataset[dict[str, torch.Tensor]]):
 
     Examples are ordered by sorted file name, then by row, and rank ``r`` of ``W`` reads the block
     :func:`rank_range` gives; shuffling is left to the sampler. Files are opened lazily, once per
-    process, so the dataset can be used with DataLoader worker processes.
+    process, so the dataset can be used with DataLoader worker processes. Each example is read on its
+    own (a random row decompresses one gzip chunk, about a millisecond), so GPU runs want a few loader
+    workers per rank.
 
     Args:
         root: directory holding the ``*.hdf5`` shards.
