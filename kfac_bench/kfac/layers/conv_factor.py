@@ -137,6 +137,7 @@ class _Plan:
     grid_phases: tuple[Pair, ...]  # (row phase, column phase) of each grid
     margin: Pair
     groups: tuple[_Group, ...]
+    strip_rows: tuple[tuple[int, ...], ...]  # per grid: the rows that row bands read
     strip_cols: tuple[tuple[int, ...], ...]  # per grid: the columns that column bands read
 
     def grid(self, pr: int, pc: int) -> int:
@@ -196,13 +197,24 @@ def _plan(
         min(max(abs(g.dy) for g in live), max(ax_r.length)),
         min(max(abs(g.dx) for g in live), max(ax_c.length)),
     )
+    strip_rows: list[set[int]] = [set() for _ in grid_phases]
     strip_cols: list[set[int]] = [set() for _ in grid_phases]
     for g in live:
+        for run in {run for ex_r, _ in g.excluded for run in ex_r}:
+            strip_rows[g.g1].update(range(*run))
+            strip_rows[g.g2].update(range(run[0] + g.dy, run[1] + g.dy))
         for run in {run for _, ex_c in g.excluded for run in ex_c}:
             strip_cols[g.g1].update(range(*run))
             strip_cols[g.g2].update(range(run[0] + g.dx, run[1] + g.dx))
-    strips = tuple(tuple(sorted(cols)) for cols in strip_cols)
-    return _Plan(ax_r, ax_c, grid_phases, margin, tuple(groups), strips)
+    return _Plan(
+        ax_r,
+        ax_c,
+        grid_phases,
+        margin,
+        tuple(groups),
+        tuple(tuple(sorted(rows)) for rows in strip_rows),
+        tuple(tuple(sorted(cols)) for cols in strip_cols),
+    )
 
 
 def _phase_grids(x: Tensor, stride: Pair, plan: _Plan) -> Tensor:
@@ -214,37 +226,39 @@ def _phase_grids(x: Tensor, stride: Pair, plan: _Plan) -> Tensor:
     """
     n, c = x.shape[:2]
     hpad, wpad = plan.pad_shape
-    grids = x.new_empty(len(plan.grid_phases), c, n, hpad, wpad)
+    grids = x.new_zeros(len(plan.grid_phases), c, n, hpad, wpad)
     for g, (pr, pc) in enumerate(plan.grid_phases):
         hg, wg = plan.ax_r.length[pr], plan.ax_c.length[pc]
         grids[g, :, :, :hg, :wg] = x[:, :, pr :: stride[0], pc :: stride[1]].transpose(0, 1)
-        grids[g, :, :, hg:].zero_()
-        grids[g, :, :, :hg, wg:].zero_()
     return grids
 
 
 class _Strips:
-    """Column strips of the grids, ``(C, columns, N, Hpad)`` and contiguous, extracted once per call.
+    """Boundary rows ``(C, rows, N, Wpad)`` and columns ``(C, cols, N, Hpad)`` of the grids, contiguous.
 
-    Column bands are strided in the grids (one element per row); reading them from a strip makes each
-    band a contiguous slice, and the strip is shared by every group that corrects the same columns.
+    Extracted once per call and shared by every group that corrects the same lines. In a strip, a run of
+    consecutive lines flattens to one ``(C, ·)`` matrix with the margins between lines, so the shift along
+    the line is again a flat offset and a band correlation is one GEMM on views.
     """
 
     def __init__(self, grids: Tensor, plan: _Plan) -> None:
         self.grids, self.plan = grids, plan
-        self.cache: dict[int, tuple[Tensor, dict[int, int]]] = {}
+        self.cache: dict[tuple[int, int], tuple[Tensor, dict[int, int]]] = {}
 
-    def band(self, g: int, rows: Pair, cols: Pair) -> Tensor:
-        """Grid ``g`` restricted to ``rows × cols`` as a ``(C, cols·N·rows)`` matrix."""
-        if g not in self.cache:
-            columns = self.plan.strip_cols[g]
-            index = torch.tensor(columns, device=self.grids.device)
-            strip = self.grids[g].index_select(3, index).permute(0, 3, 1, 2).contiguous()
-            self.cache[g] = (strip, {col: i for i, col in enumerate(columns)})
-        strip, position = self.cache[g]
-        start = position[cols[0]]  # the run's columns are consecutive in the strip
-        part = strip[:, start : start + cols[1] - cols[0], :, rows[0] : rows[1]]
-        return part.reshape(strip.shape[0], -1)
+    def get(self, g: int, axis: int) -> tuple[Tensor, dict[int, int]]:
+        """Strip of grid ``g`` along ``axis`` (2: rows, 3: columns) and each line's position in it."""
+        if (g, axis) not in self.cache:
+            lines = (self.plan.strip_rows if axis == 2 else self.plan.strip_cols)[g]
+            index = torch.tensor(lines, device=self.grids.device)
+            strip = self.grids[g].index_select(axis, index).movedim(axis, 1).contiguous()
+            self.cache[g, axis] = (strip, {line: i for i, line in enumerate(lines)})
+        return self.cache[g, axis]
+
+
+def _shifted_gram(a: Tensor, b: Tensor, off: int) -> Tensor:
+    """``Σ_k a[:, k] b[:, k + off]ᵀ`` over the ``k`` where both exist, for ``(C, K)`` matrices ``a, b``."""
+    lo, hi = max(0, -off), a.shape[1] - max(0, off)
+    return a[:, lo:hi] @ b[:, lo + off : hi + off].t()
 
 
 class _Correlator:
@@ -258,8 +272,7 @@ class _Correlator:
         self.a, self.b = grids[group.g1], grids[group.g2]  # (C, N, Hpad, Wpad)
         self.group, self.strips = group, strips
         self.dy, self.dx = group.dy, group.dx
-        self.rows, self.cols = group.rows, group.cols
-        self.memo: dict[tuple[Pair, Pair], Tensor] = {}
+        self.memo: dict[tuple[object, ...], Tensor] = {}
 
     def full(self, out: Tensor | None = None) -> Tensor:
         """All pixel pairs: one GEMM over strided views of the flattened grids (no copy)."""
@@ -269,25 +282,37 @@ class _Correlator:
         lo, hi = max(0, -off), fa.shape[1] - max(0, off)
         return torch.mm(fa[:, lo:hi], fb[:, lo + off : hi + off].t(), out=out)
 
-    def row_band(self, rows: Pair) -> Tensor:
-        """Pairs whose first pixel lies in grid rows ``rows`` (whole overlap width): a thin copy + GEMM."""
-        if (rows, self.cols) not in self.memo:
-            c = self.a.shape[0]
-            (r0, r1), (c0, c1), dy, dx = rows, self.cols, self.dy, self.dx
-            a = self.a[:, :, r0:r1, c0:c1].reshape(c, -1)
-            b = self.b[:, :, r0 + dy : r1 + dy, c0 + dx : c1 + dx].reshape(c, -1)
-            self.memo[rows, self.cols] = a @ b.t()
-        return self.memo[rows, self.cols]
+    def _lines(self, axis: int, run: Pair, rows: Pair | None = None) -> tuple[Tensor, Tensor]:
+        """Strip runs of grid 1 (lines ``run``) and grid 2 (the partner lines), as ``(C, ·)`` matrices."""
+        shift = self.dy if axis == 2 else self.dx
+        (s1, pos1), (s2, pos2) = (
+            self.strips.get(self.group.g1, axis),
+            self.strips.get(self.group.g2, axis),
+        )
+        i, j, count = pos1[run[0]], pos2[run[0] + shift], run[1] - run[0]
+        a, b = s1[:, i : i + count], s2[:, j : j + count]
+        if rows is not None:  # a corner: restrict the column strips to a row run (a tiny copy)
+            a, b = a[..., rows[0] : rows[1]], b[..., rows[0] + self.dy : rows[1] + self.dy]
+        return a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
 
-    def col_band(self, cols: Pair, rows: Pair | None = None) -> Tensor:
-        """Pairs whose first pixel lies in grid columns ``cols`` and rows ``rows`` (default: overlap)."""
-        rows = rows if rows is not None else self.rows
-        if (rows, cols) not in self.memo:
-            g, dy, dx = self.group, self.dy, self.dx
-            a = self.strips.band(g.g1, rows, cols)
-            b = self.strips.band(g.g2, (rows[0] + dy, rows[1] + dy), (cols[0] + dx, cols[1] + dx))
-            self.memo[rows, cols] = a @ b.t()
-        return self.memo[rows, cols]
+    def row_band(self, run: Pair) -> Tensor:
+        """Pairs whose first pixel lies in grid rows ``run`` (all columns), from the row strips."""
+        if ("r", run) not in self.memo:
+            self.memo["r", run] = _shifted_gram(*self._lines(2, run), self.dx)
+        return self.memo["r", run]
+
+    def col_band(self, run: Pair) -> Tensor:
+        """Pairs whose first pixel lies in grid columns ``run`` (all rows), from the column strips."""
+        if ("c", run) not in self.memo:
+            self.memo["c", run] = _shifted_gram(*self._lines(3, run), self.dy)
+        return self.memo["c", run]
+
+    def corner(self, rows: Pair, cols: Pair) -> Tensor:
+        """Pairs whose first pixel lies in grid rows ``rows`` and columns ``cols``."""
+        if ("rc", rows, cols) not in self.memo:
+            a, b = self._lines(3, cols, rows)
+            self.memo["rc", rows, cols] = a @ b.t()
+        return self.memo["rc", rows, cols]
 
     def window(self, full: Tensor, ex_r: tuple[Pair, ...], ex_c: tuple[Pair, ...]) -> Tensor:
         """``full`` minus the pairs in the excluded row or column runs (inclusion-exclusion)."""
@@ -300,7 +325,7 @@ class _Correlator:
             total -= self.col_band(run)
         for row_run in ex_r:
             for col_run in ex_c:
-                total += self.col_band(col_run, rows=row_run)
+                total += self.corner(row_run, col_run)
         return total
 
 
