@@ -1,0 +1,64 @@
+"""Accelerator-only checks of the engine (``pytest -m gpu``); skipped cleanly without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kfac_bench.kfac import KFACPreconditioner
+
+from .reference import eigen_dense
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 8 * 8, 10)
+    )
+
+
+def test_eigen_path_on_cuda_matches_cpu() -> None:
+    torch.manual_seed(0)
+    cpu = _model().double()
+    gpu = _model().double().cuda()
+    gpu.load_state_dict(cpu.state_dict())
+    x, y = torch.randn(32, 3, 8, 8, dtype=torch.float64), torch.randint(0, 10, (32,))
+    outs = []
+    for m, dev in ((cpu, "cpu"), (gpu, "cuda")):
+        p = KFACPreconditioner(m, factor_decay=0.0, damping=0.01, kl_clip=None)
+        F.cross_entropy(m(x.to(dev)), y.to(dev)).backward()
+        p.step()
+        outs.append([q.grad.cpu() for q in m.parameters()])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_autocast_activations_accumulate_into_float32_factors(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    model = _model().cuda()
+    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+    p = KFACPreconditioner(model, grad_scaler=scaler, factor_decay=0.0, damping=0.01, kl_clip=None)
+    x, y = torch.randn(32, 3, 8, 8, device="cuda"), torch.randint(0, 10, (32,), device="cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with torch.autocast("cuda", dtype=dtype):
+        loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    layer = model[3]
+    grad = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], 1).double()
+    p.step()
+    state = p.layers["3"]
+    assert state.a_factor.dtype == torch.float32 and state.g_factor.dtype == torch.float32
+    assert torch.isfinite(state.a_factor).all() and torch.isfinite(state.g_factor).all()
+    got = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], 1).double()
+    ref = eigen_dense(
+        state.a_factor.double().cpu(), state.g_factor.double().cpu(), grad.cpu(), 0.01
+    )
+    assert ((got.cpu() - ref).norm() / ref.norm()).item() < 1e-3
