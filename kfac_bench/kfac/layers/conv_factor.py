@@ -392,10 +392,11 @@ def _fill_bias(out: Tensor, grids: Tensor, plan: _Plan, kw: int, n: int) -> None
 
 # Cost model for the dispatch, calibrated on the 2-core development machine (float32, 2 threads). Both
 # methods are exact, so a wrong choice only costs time; the constants only need the right order.
-_GEMM_PEAK = 150e9  # FLOP/s of a large GEMM
-_GEMM_HALF = 16  # square GEMM side at which half the peak is reached (thin GEMMs are memory-bound)
-_UNFOLD_PER_ELEMENT = 5e-9  # s per patch element written by F.unfold and re-laid out for the GEMM
-_COPY_PER_ELEMENT = 1e-9  # s per element of a strided copy (phase grids, column bands)
+_GEMM_PEAK = 200e9  # FLOP/s of a large GEMM
+_GEMM_HALF = 32  # square GEMM side at which half the peak is reached (thin GEMMs are memory-bound)
+_UNFOLD_PER_ELEMENT = 3e-9  # s per patch element written by F.unfold and re-laid out for the GEMM
+_COPY_PER_ELEMENT = 1e-9  # s per element of a copy (phase grids, strips, block updates)
+_TRANSPOSED_WRITE = 3e-9  # s per element of writing a block transposed (strided, cache-unfriendly)
 _CALL = 2e-5  # s of fixed overhead per tensor operation
 
 
@@ -408,19 +409,23 @@ def _shift_time(plan: _Plan, n: int, c: int) -> float:
     hpad, wpad = plan.pad_shape
     k = n * hpad * wpad
     block = _CALL + _COPY_PER_ELEMENT * c * c  # one pass over a C × C block
-    time = _COPY_PER_ELEMENT * len(plan.grid_phases) * c * k
+    lines = sum(len(r) * wpad + len(q) * hpad for r, q in zip(plan.strip_rows, plan.strip_cols))
+    time = _COPY_PER_ELEMENT * c * (len(plan.grid_phases) * k + 2 * n * lines)  # grids, strips
     for group in plan.groups:
-        time += 2 * block * len(group.pairs)  # writing the block and its transpose
+        # writing the block and its transpose
+        time += (block + _CALL + _TRANSPOSED_WRITE * c * c) * len(group.pairs)
         if group.empty:
             continue
         time += _gemm_time(c, k) + _CALL
-        rects: set[tuple[Pair, Pair]] = set()
+        rows = {run for ex_r, _ in group.excluded for run in ex_r}
+        cols = {run for _, ex_c in group.excluded for run in ex_c}
+        corners = {(r, q) for ex_r, ex_c in group.excluded for r in ex_r for q in ex_c}
         for ex_r, ex_c in group.excluded:
             if ex_r or ex_c:  # clone, then one update per band and per corner
                 time += block * (1 + len(ex_r) + len(ex_c) + len(ex_r) * len(ex_c))
-            rects |= {(run, group.cols) for run in ex_r} | {(group.rows, run) for run in ex_c}
-            rects |= {(r, q) for r in ex_r for q in ex_c}
-        for (r0, r1), (c0, c1) in rects:
+        time += sum(_gemm_time(c, n * (r1 - r0) * wpad) + _CALL for r0, r1 in rows)
+        time += sum(_gemm_time(c, n * (c1 - c0) * hpad) + _CALL for c0, c1 in cols)
+        for (r0, r1), (c0, c1) in corners:
             area = n * (r1 - r0) * (c1 - c0)
             time += _gemm_time(c, area) + 2 * _COPY_PER_ELEMENT * c * area + 3 * _CALL
     return time
