@@ -173,7 +173,8 @@ def test_dispatch_takes_each_method_where_expected_and_both_are_exact():
 
 
 def test_chunked_unfold_matches_reference():
-    # 7×7 kernel on 3 channels: the patch tensor is ~16× the input, so the batch is split into chunks.
+    # 7×7 kernel on 3 channels: the patches are ~49× the input; without the size floor the batch of 5 is
+    # split into chunks of 2 (budget D² = 147², 72·147 patch elements per example).
     x = torch.randn(5, 3, 9, 8, dtype=DT, generator=torch.Generator().manual_seed(5))
     args = (x, (7, 7), (1, 1), (3, 3, 3, 3), (1, 1), True)
-    _assert_close(conv_factor._unfold_chunked(*args), conv2d_a_factor_unfold(*args))
+    _assert_close(conv_factor._unfold_chunked(*args, floor=0), conv2d_a_factor_unfold(*args))

@@ -140,6 +140,12 @@ class _Plan:
     strip_rows: tuple[tuple[int, ...], ...]  # per grid: the rows that row bands read
     strip_cols: tuple[tuple[int, ...], ...]  # per grid: the columns that column bands read
 
+    @functools.cached_property
+    def pair_index(self) -> tuple[Tensor, Tensor]:
+        """First and second kernel positions of every block, in group order (index tensors)."""
+        pairs = [pair for group in self.groups for pair in group.pairs]
+        return torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
+
     def grid(self, pr: int, pc: int) -> int:
         return self.grid_phases.index((pr, pc))
 
@@ -350,21 +356,21 @@ def conv2d_a_factor_shift(
         else:
             _Correlator(grids, plan.groups[0], strips).full(out=out)
     else:
-        # Block (k, k') is the (C, C) slice [:, k, :, k'] of the (C, kh·kw, C, kh·kw) view.
-        block_view = out[:d, :d].view(c, kk, c, kk).permute(1, 3, 0, 2)
+        blocks: list[Tensor] = []
         for group in plan.groups:
             if group.empty:  # no pixel pair at this shift
-                for first, second in group.pairs:
-                    block_view[first, second] = 0
-                    block_view[second, first] = 0
+                blocks += [x.new_zeros(c, c)] * len(group.pairs)
                 continue
             corr = _Correlator(grids, group, strips)
             full = corr.full()
-            for (first, second), (ex_r, ex_c) in zip(group.pairs, group.excluded, strict=True):
-                block = corr.window(full, ex_r, ex_c)
-                block_view[first, second] = block
-                if first != second:
-                    block_view[second, first] = block.t()
+            blocks += [corr.window(full, ex_r, ex_c) for ex_r, ex_c in group.excluded]
+        # Block (k, k') is the (C, C) slice [:, k, :, k'] of the (C, kh·kw, C, kh·kw) view; two indexed
+        # writes place every block and its mirror image.
+        first, second = plan.pair_index
+        block_view = out[:d, :d].view(c, kk, c, kk).permute(1, 3, 0, 2)
+        stacked = torch.stack(blocks)
+        block_view[second, first] = stacked.transpose(1, 2)
+        block_view[first, second] = stacked
     if bias:
         _fill_bias(out, grids, plan, kernel_size[1], n)
     return out
@@ -450,15 +456,24 @@ def fast_method(
 
 
 def _unfold_chunked(
-    x: Tensor, kernel_size: Pair, stride: Pair, padding: Padding, dilation: Pair, bias: bool
+    x: Tensor,
+    kernel_size: Pair,
+    stride: Pair,
+    padding: Padding,
+    dilation: Pair,
+    bias: bool,
+    floor: int = 1 << 22,
 ) -> Tensor:
-    """Unfold + GEMM over batch chunks, so the patch tensor stays within a few times the input's size."""
+    """Unfold + GEMM over batch chunks, so the patch tensor stays within a few times the input's size.
+
+    A chunk's patches may hold ``max(4·x.numel(), D², floor)`` elements: the result itself has ``D²``,
+    and below ``floor`` (16 MiB of float32) the memory does not matter but fewer chunks are faster.
+    """
     n, c, h, w = x.shape
     plan = _plan(h, w, tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation))
     d = c * kernel_size[0] * kernel_size[1]
     per_example = d * plan.ax_r.out * plan.ax_c.out
-    # The patches may be as large as the result itself (d²) or a few times the input, whichever is larger.
-    chunk = max(1, min(n, max(4 * c * h * w * n, d * d) // per_example))
+    chunk = max(1, min(n, max(4 * c * h * w * n, d * d, floor) // per_example))
     total = None
     for start in range(0, n, chunk):
         part = conv2d_a_factor_unfold(
