@@ -13,8 +13,9 @@ summed over the output window of ``k``. The shift method (KFC's Ω computed as c
   rectangle of a grid shifted by a relative offset ``δ``.
 * Blocks that share ``(grid, partner grid, δ)`` share their full correlation ``F`` over all pixel pairs:
   one GEMM per distinct key (13 for a 3×3 stride-1 kernel instead of 45 block products over patches).
-  ``F`` is computed on a zero-margined ``(C, N·Hpad·Wpad)`` copy of the grids, where a 2-D shift is a flat
-  column offset (the margins make the wrap-around terms vanish): each GEMM reads strided views, no copy.
+  ``F`` is computed on a ``(C, H·N·Wpad)`` copy of the grids (rows of all examples interleaved, a zero
+  margin after each row), where a 2-D shift is a flat column offset whose wrap-around terms vanish: each
+  GEMM reads strided views, no copy.
 * A block equals ``F`` minus the pixel pairs outside its window: thin boundary bands (rows, columns and their
   corner cells, by inclusion-exclusion), which only exist where a window stops short of the image edge.
 * Only one triangle of blocks is computed; ``A[k', k] = A[k, k']ᵀ``.
@@ -135,9 +136,8 @@ class _Plan:
     ax_r: _Axis
     ax_c: _Axis
     grid_phases: tuple[Pair, ...]  # (row phase, column phase) of each grid
-    margin: Pair
+    margin: int  # zero columns after each grid row: the largest column shift
     groups: tuple[_Group, ...]
-    strip_rows: tuple[tuple[int, ...], ...]  # per grid: the rows that row bands read
     strip_cols: tuple[tuple[int, ...], ...]  # per grid: the columns that column bands read
 
     @functools.cached_property
@@ -151,7 +151,7 @@ class _Plan:
 
     @property
     def pad_shape(self) -> Pair:
-        return max(self.ax_r.length) + self.margin[0], max(self.ax_c.length) + self.margin[1]
+        return max(self.ax_r.length), max(self.ax_c.length) + self.margin
 
 
 @functools.lru_cache(maxsize=512)
@@ -196,19 +196,12 @@ def _plan(
         g1 = grid_phases.index((rk[0], ck[0]))
         g2 = grid_phases.index((rk[1], ck[1]))
         groups.append(_Group(g1, g2, dy, dx, rows, cols, tuple(pairs), excluded))
-    # A shift as long as a grid never pairs two data pixels (such groups are empty), so margins of at
-    # most the grid size suffice.
+    # A shift as long as a grid never pairs two data pixels (such groups are empty), so a margin of at
+    # most the grid width suffices.
     live = [g for g in groups if not g.empty] or groups
-    margin = (
-        min(max(abs(g.dy) for g in live), max(ax_r.length)),
-        min(max(abs(g.dx) for g in live), max(ax_c.length)),
-    )
-    strip_rows: list[set[int]] = [set() for _ in grid_phases]
+    margin = min(max(abs(g.dx) for g in live), max(ax_c.length))
     strip_cols: list[set[int]] = [set() for _ in grid_phases]
     for g in live:
-        for run in {run for ex_r, _ in g.excluded for run in ex_r}:
-            strip_rows[g.g1].update(range(*run))
-            strip_rows[g.g2].update(range(run[0] + g.dy, run[1] + g.dy))
         for run in {run for _, ex_c in g.excluded for run in ex_c}:
             strip_cols[g.g1].update(range(*run))
             strip_cols[g.g2].update(range(run[0] + g.dx, run[1] + g.dx))
@@ -218,107 +211,93 @@ def _plan(
         grid_phases,
         margin,
         tuple(groups),
-        tuple(tuple(sorted(rows)) for rows in strip_rows),
         tuple(tuple(sorted(cols)) for cols in strip_cols),
     )
 
 
 def _phase_grids(x: Tensor, stride: Pair, plan: _Plan) -> Tensor:
-    """The used phase sub-grids of ``x`` as ``(grids, C, N, Hpad, Wpad)``, data top-left, zero margins.
+    """The used phase sub-grids of ``x`` as ``(grids, C, H, N, Wpad)``, data top-left, zeros elsewhere.
 
-    Grid ``(pr, pc)`` holds ``x[:, :, pr::sh, pc::sw]``. In the flattened ``(C, N·Hpad·Wpad)`` layout a 2-D
-    shift ``(dy, dx)`` within the margins is the column offset ``dy·Wpad + dx``, and every wrapped-around
-    pair (across a row end or an image end) has a zero factor.
+    Grid ``(pr, pc)`` holds ``x[:, :, pr::sh, pc::sw]`` with the rows of all examples interleaved. Flattened
+    to ``(C, H·N·Wpad)``, a 2-D shift ``(dy, dx)`` is the column offset ``dy·N·Wpad + dx``: the zero margin
+    of ``|dx|`` columns keeps pairs that wrap into the next row segment at zero, and a row shift never
+    wraps (it runs off the end of the buffer instead), so rows need no margin.
     """
     n, c = x.shape[:2]
     hpad, wpad = plan.pad_shape
-    grids = x.new_zeros(len(plan.grid_phases), c, n, hpad, wpad)
+    grids = x.new_zeros(len(plan.grid_phases), c, hpad, n, wpad)
     for g, (pr, pc) in enumerate(plan.grid_phases):
         hg, wg = plan.ax_r.length[pr], plan.ax_c.length[pc]
-        grids[g, :, :, :hg, :wg] = x[:, :, pr :: stride[0], pc :: stride[1]].transpose(0, 1)
+        grids[g, :, :hg, :, :wg] = x[:, :, pr :: stride[0], pc :: stride[1]].permute(1, 2, 0, 3)
     return grids
 
 
 class _Strips:
-    """Boundary rows ``(C, rows, N, Wpad)`` and columns ``(C, cols, N, Hpad)`` of the grids, contiguous.
+    """Boundary columns of the grids as contiguous ``(C, columns, H, N)`` strips, extracted once per call.
 
-    Extracted once per call and shared by every group that corrects the same lines. In a strip, a run of
-    consecutive lines flattens to one ``(C, ·)`` matrix with the margins between lines, so the shift along
-    the line is again a flat offset and a band correlation is one GEMM on views.
+    A column is strided in the grid layout; in a strip, a run of rows of one column is a contiguous block
+    (a view), and every group that corrects the same columns shares the strip.
     """
 
     def __init__(self, grids: Tensor, plan: _Plan) -> None:
         self.grids, self.plan = grids, plan
-        self.cache: dict[tuple[int, int], tuple[Tensor, dict[int, int]]] = {}
+        self.cache: dict[int, tuple[Tensor, dict[int, int]]] = {}
 
-    def get(self, g: int, axis: int) -> tuple[Tensor, dict[int, int]]:
-        """Strip of grid ``g`` along ``axis`` (2: rows, 3: columns) and each line's position in it."""
-        if (g, axis) not in self.cache:
-            lines = (self.plan.strip_rows if axis == 2 else self.plan.strip_cols)[g]
+    def get(self, g: int) -> tuple[Tensor, dict[int, int]]:
+        """Strip of grid ``g`` and each column's position in it."""
+        if g not in self.cache:
+            lines = self.plan.strip_cols[g]
             index = torch.tensor(lines, device=self.grids.device)
-            strip = self.grids[g].index_select(axis, index).movedim(axis, 1).contiguous()
-            self.cache[g, axis] = (strip, {line: i for i, line in enumerate(lines)})
-        return self.cache[g, axis]
+            strip = self.grids[g].index_select(3, index).movedim(3, 1).contiguous()
+            self.cache[g] = (strip, {line: i for i, line in enumerate(lines)})
+        return self.cache[g]
 
 
-def _shifted_gram(a: Tensor, b: Tensor, off: int) -> Tensor:
+def _shifted_gram(a: Tensor, b: Tensor, off: int, out: Tensor | None = None) -> Tensor:
     """``Σ_k a[:, k] b[:, k + off]ᵀ`` over the ``k`` where both exist, for ``(C, K)`` matrices ``a, b``."""
     lo, hi = max(0, -off), a.shape[1] - max(0, off)
-    return a[:, lo:hi] @ b[:, lo + off : hi + off].t()
+    return torch.mm(a[:, lo:hi], b[:, lo + off : hi + off].t(), out=out)
 
 
 class _Correlator:
     """Correlations of grid ``g1`` with grid ``g2`` shifted by ``(dy, dx)``, whole or over bands.
 
-    Every method returns the ``C × C`` matrix ``Σ g1[:, n, y, x] g2[:, n, y + dy, x + dx]ᵀ`` over the pixels
+    Every method returns the ``C × C`` matrix ``Σ g1[:, y, n, x] g2[:, y + dy, n, x + dx]ᵀ`` over the pixels
     it names; band sums are memoised because several blocks of a group exclude the same band.
     """
 
     def __init__(self, grids: Tensor, group: _Group, strips: _Strips) -> None:
-        self.a, self.b = grids[group.g1], grids[group.g2]  # (C, N, Hpad, Wpad)
+        self.a, self.b = grids[group.g1], grids[group.g2]  # (C, H, N, Wpad)
         self.group, self.strips = group, strips
         self.dy, self.dx = group.dy, group.dx
         self.memo: dict[tuple[object, ...], Tensor] = {}
 
     def full(self, out: Tensor | None = None) -> Tensor:
         """All pixel pairs: one GEMM over strided views of the flattened grids (no copy)."""
-        c, wpad = self.a.shape[0], self.a.shape[3]
-        fa, fb = self.a.reshape(c, -1), self.b.reshape(c, -1)
-        off = self.dy * wpad + self.dx
-        lo, hi = max(0, -off), fa.shape[1] - max(0, off)
-        return torch.mm(fa[:, lo:hi], fb[:, lo + off : hi + off].t(), out=out)
-
-    def _lines(self, axis: int, run: Pair, rows: Pair | None = None) -> tuple[Tensor, Tensor]:
-        """Strip runs of grid 1 (lines ``run``) and grid 2 (the partner lines), as ``(C, ·)`` matrices."""
-        shift = self.dy if axis == 2 else self.dx
-        (s1, pos1), (s2, pos2) = (
-            self.strips.get(self.group.g1, axis),
-            self.strips.get(self.group.g2, axis),
-        )
-        i, j, count = pos1[run[0]], pos2[run[0] + shift], run[1] - run[0]
-        a, b = s1[:, i : i + count], s2[:, j : j + count]
-        if rows is not None:  # a corner: restrict the column strips to a row run (a tiny copy)
-            a, b = a[..., rows[0] : rows[1]], b[..., rows[0] + self.dy : rows[1] + self.dy]
-        return a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
+        c, _, n, wpad = self.a.shape
+        off = self.dy * n * wpad + self.dx
+        return _shifted_gram(self.a.reshape(c, -1), self.b.reshape(c, -1), off, out=out)
 
     def row_band(self, run: Pair) -> Tensor:
-        """Pairs whose first pixel lies in grid rows ``run`` (all columns), from the row strips."""
+        """Pairs whose first pixel lies in grid rows ``run`` (all columns): a GEMM on contiguous views."""
         if ("r", run) not in self.memo:
-            self.memo["r", run] = _shifted_gram(*self._lines(2, run), self.dx)
+            c, (r0, r1), dy = self.a.shape[0], run, self.dy
+            a = self.a[:, r0:r1].reshape(c, -1)
+            b = self.b[:, r0 + dy : r1 + dy].reshape(c, -1)
+            self.memo["r", run] = _shifted_gram(a, b, self.dx)
         return self.memo["r", run]
 
-    def col_band(self, run: Pair) -> Tensor:
-        """Pairs whose first pixel lies in grid columns ``run`` (all rows), from the column strips."""
-        if ("c", run) not in self.memo:
-            self.memo["c", run] = _shifted_gram(*self._lines(3, run), self.dy)
-        return self.memo["c", run]
-
-    def corner(self, rows: Pair, cols: Pair) -> Tensor:
-        """Pairs whose first pixel lies in grid rows ``rows`` and columns ``cols``."""
-        if ("rc", rows, cols) not in self.memo:
-            a, b = self._lines(3, cols, rows)
-            self.memo["rc", rows, cols] = a @ b.t()
-        return self.memo["rc", rows, cols]
+    def col_band(self, run: Pair, rows: Pair | None = None) -> Tensor:
+        """Pairs whose first pixel lies in grid columns ``run`` and ``rows`` (default: the overlap)."""
+        rows = rows if rows is not None else self.group.rows
+        if ("c", run, rows) not in self.memo:
+            (s1, pos1), (s2, pos2) = self.strips.get(self.group.g1), self.strips.get(self.group.g2)
+            i, j, count = pos1[run[0]], pos2[run[0] + self.dx], run[1] - run[0]
+            (r0, r1), dy = rows, self.dy
+            a = s1[:, i : i + count, r0:r1].reshape(s1.shape[0], -1)
+            b = s2[:, j : j + count, r0 + dy : r1 + dy].reshape(s2.shape[0], -1)
+            self.memo["c", run, rows] = a @ b.t()
+        return self.memo["c", run, rows]
 
     def window(self, full: Tensor, ex_r: tuple[Pair, ...], ex_c: tuple[Pair, ...]) -> Tensor:
         """``full`` minus the pairs in the excluded row or column runs (inclusion-exclusion)."""
@@ -331,7 +310,7 @@ class _Correlator:
             total -= self.col_band(run)
         for row_run in ex_r:
             for col_run in ex_c:
-                total += self.corner(row_run, col_run)
+                total += self.col_band(col_run, rows=row_run)
         return total
 
 
@@ -381,7 +360,7 @@ def _fill_bias(out: Tensor, grids: Tensor, plan: _Plan, kw: int, n: int) -> None
     d = out.shape[0] - 1
     c = grids.shape[1]
     ax_r, ax_c = plan.ax_r, plan.ax_c
-    per_grid = grids.sum(dim=2)  # (grids, C, Hpad, Wpad): summed over examples
+    per_grid = grids.sum(dim=3)  # (grids, C, H, Wpad): summed over examples
     sums = out[:d, d].view(c, -1)
     sums.zero_()
     for k in range(sums.shape[1]):
@@ -415,8 +394,10 @@ def _shift_time(plan: _Plan, n: int, c: int) -> float:
     hpad, wpad = plan.pad_shape
     k = n * hpad * wpad
     block = _CALL + _COPY_PER_ELEMENT * c * c  # one pass over a C × C block
-    lines = sum(len(r) * wpad + len(q) * hpad for r, q in zip(plan.strip_rows, plan.strip_cols))
-    time = _COPY_PER_ELEMENT * c * (len(plan.grid_phases) * k + 2 * n * lines)  # grids, strips
+    lines = sum(len(cols) for cols in plan.strip_cols)
+    time = (
+        _COPY_PER_ELEMENT * c * (len(plan.grid_phases) * k + 2 * n * hpad * lines)
+    )  # grids, strips
     for group in plan.groups:
         # writing the block and its transpose
         time += (block + _CALL + _TRANSPOSED_WRITE * c * c) * len(group.pairs)
