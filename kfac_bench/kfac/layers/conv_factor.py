@@ -428,10 +428,25 @@ def fast_method(
 ) -> str:
     """The method :func:`conv2d_a_factor` uses for these arguments: ``'shift'`` or ``'unfold'``."""
     n, c, h, w = x.shape
-    plan = _plan(h, w, tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation))
+    args = (tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation))
+    return _choose(n, c, h, w, *args)
+
+
+@functools.lru_cache(maxsize=512)
+def _choose(
+    n: int,
+    c: int,
+    h: int,
+    w: int,
+    kernel_size: Pair,
+    stride: Pair,
+    padding: Padding,
+    dilation: Pair,
+) -> str:
     kk = kernel_size[0] * kernel_size[1]
     if kk == 1:
         return "shift"  # subsample + one GEMM: never slower than unfolding a 1×1 kernel
+    plan = _plan(h, w, kernel_size, stride, padding, dilation)
     positions = plan.ax_r.out * plan.ax_c.out
     return "shift" if _shift_time(plan, n, c) <= _unfold_time(n, c, kk, positions) else "unfold"
 
