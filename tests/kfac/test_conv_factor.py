@@ -178,3 +178,25 @@ def test_chunked_unfold_matches_reference():
     x = torch.randn(5, 3, 9, 8, dtype=DT, generator=torch.Generator().manual_seed(5))
     args = (x, (7, 7), (1, 1), (3, 3, 3, 3), (1, 1), True)
     _assert_close(conv_factor._unfold_chunked(*args, floor=0), conv2d_a_factor_unfold(*args))
+
+
+def test_strided_and_channels_last_inputs_and_stride_three():
+    gen = torch.Generator().manual_seed(6)
+    base = torch.randn(3, 4, 11, 10, dtype=DT, generator=gen)
+    args = ((3, 2), (3, 2), (1, 2, 0, 1), (1, 1), True)
+    expected = conv2d_a_factor_unfold(base, *args)
+    _assert_close(
+        conv2d_a_factor_shift(base.to(memory_format=torch.channels_last), *args), expected
+    )
+    wide = torch.randn(3, 4, 11, 20, dtype=DT, generator=gen)
+    wide[..., ::2] = base  # a non-contiguous view holding the same values
+    _assert_close(conv2d_a_factor_shift(wide[..., ::2], *args), expected)
+
+
+def test_float32_stays_accurate_on_relu_activations():
+    # Non-negative inputs (post-ReLU) make the boundary corrections largest relative to the blocks.
+    x = torch.randn(16, 8, 16, 16, generator=torch.Generator().manual_seed(7)).relu()
+    args = ((3, 3), (1, 1), (1, 1, 1, 1), (1, 1), True)
+    expected = conv2d_a_factor_unfold(x.double(), *args)
+    actual = conv2d_a_factor_shift(x, *args).double()
+    assert ((actual - expected).abs().max() / expected.abs().max()).item() < 1e-5
