@@ -10,7 +10,9 @@ alternating after a warm-up, and weighted by how many layers share it; reported 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import statistics
 import time
 from collections import Counter
@@ -102,8 +104,8 @@ def measure(family: str, shapes: Counter[ConvShape], repeats: int) -> list[dict]
         x = torch.randn(shape.batch, shape.channels, shape.size, shape.size, generator=gen)
         args = shape.args()
         unfold_s, fast_s = _median_pair(
-            lambda x=x, args=args: conv2d_a_factor_unfold(x, *args),
-            lambda x=x, args=args: conv2d_a_factor(x, *args),
+            functools.partial(conv2d_a_factor_unfold, x, *args),
+            functools.partial(conv2d_a_factor, x, *args),
             repeats,
         )
         rows.append(
@@ -147,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the rows and totals as JSON")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]  # the machine is shared: say how busy it was
 
     rows = measure("resnet32", resnet32_shapes(), args.repeats)
     rows += measure("resnet50", resnet50_shapes(), args.repeats)
@@ -161,15 +164,22 @@ def main(argv: list[str] | None = None) -> None:
             "fast_ms": fast,
             "ratio": unfold / fast,
         }
-    print(f"Conv2d A factor, float32, {args.threads} threads, median of {args.repeats}")
+    load = os.getloadavg()[0]
+    print(
+        f"Conv2d A factor, float32, {args.threads} threads, median of {args.repeats} "
+        f"(1-min load average before: {load_before:.2f}, after: {load:.2f})"
+    )
     print(_table(rows, totals))
     if args.json:
+        report = {
+            "threads": args.threads,
+            "repeats": args.repeats,
+            "load_average": [load_before, load],
+            "rows": rows,
+            "totals": totals,
+        }
         with open(args.json, "w") as f:
-            json.dump(
-                {"threads": args.threads, "repeats": args.repeats, "rows": rows, "totals": totals},
-                f,
-                indent=2,
-            )
+            json.dump(report, f, indent=2)
 
 
 if __name__ == "__main__":
