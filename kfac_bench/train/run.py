@@ -259,6 +259,10 @@ def _run(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv, device: torch
             dist.all_gather_object(rngs, rng)
         else:
             rngs = [rng]
+        # Collective under torch.distributed (the engine gathers decompositions): every rank calls it.
+        precond_state = (
+            precond.state_dict(include_decompositions=True) if precond is not None else None
+        )
         if main:
             ckpt.save_atomic(
                 {
@@ -266,9 +270,7 @@ def _run(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv, device: torch
                     "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(),
                     "scaler": scaler.state_dict() if scaler is not None else None,
-                    "precond": precond.state_dict(include_decompositions=True)
-                    if precond is not None
-                    else None,
+                    "precond": precond_state,
                     "state": {
                         "epoch": state.epoch,
                         "step": state.step,

@@ -109,7 +109,7 @@ def test_sigterm_checkpoints_requeues_and_resume_matches_uninterrupted(tmp_path:
     )
     _wait_for(tmp_path / "parts" / "eval.jsonl", 2, proc)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=60)
     assert proc.returncode == EXIT_REQUEUE, err
     stopped = json.loads((tmp_path / "parts" / "summary.json").read_text())
     assert stopped["status"] == "preempted" and 10 <= stopped["steps"] < 60

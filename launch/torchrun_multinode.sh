@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# kfac-bench on several machines without SLURM: run this on every node with the same settings.
+#
+#   NNODES=2 MASTER_ADDR=node0 GPUS_PER_NODE=8 RUN_ID=exp1 launch/torchrun_multinode.sh +recipe=...
+#
+# Environment: NNODES and MASTER_ADDR (the first node; required), MASTER_PORT (29500), GPUS_PER_NODE (8),
+# RUN_ID (rendezvous id and run dir name), RUN_DIR (runs/<RUN_ID>, on a shared filesystem so a restarted job
+# resumes from its checkpoint), MAX_RESTARTS (0), PYTHON (python).
+set -euo pipefail
+: "${NNODES:?set NNODES to the number of nodes}"
+: "${MASTER_ADDR:?set MASTER_ADDR to the first node}"
+RUN_ID=${RUN_ID:-kfac-bench}
+
+exec "${PYTHON:-python}" -m torch.distributed.run \
+  --nnodes="${NNODES}" --nproc-per-node="${GPUS_PER_NODE:-8}" \
+  --rdzv-backend=c10d --rdzv-endpoint="${MASTER_ADDR}:${MASTER_PORT:-29500}" --rdzv-id="${RUN_ID}" \
+  --max-restarts="${MAX_RESTARTS:-0}" \
+  -m kfac_bench.cli train "hydra.run.dir=${RUN_DIR:-runs/${RUN_ID}}" "$@"
