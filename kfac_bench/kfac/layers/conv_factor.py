@@ -20,8 +20,11 @@ summed over the output window of ``k``. The shift method (KFC's Ω computed as c
   corner cells, by inclusion-exclusion), which only exist where a window stops short of the image edge.
 * Only one triangle of blocks is computed; ``A[k', k] = A[k, k']ᵀ``.
 
-``conv2d_a_factor`` dispatches between this method and unfold + GEMM (``conv2d_a_factor_unfold``) with a cost
-model; both are exact and return the same matrix up to rounding.
+``conv2d_a_factor`` picks, per shape, this method or unfold + GEMM (``conv2d_a_factor_unfold``, run in batch
+chunks that bound the patch tensor) with a cost model; both are exact. 1×1 kernels always take the shift path
+(subsample, one GEMM). k×k kernels take it while the bands stay thin and the ``kh·kw·(kh·kw+1)/2`` blocks stay
+cheap to assemble (ResNet-32's CIFAR layers: 3.9-5.5× faster than unfold + GEMM in total on 2 cores); many
+channels on small maps (ResNet-50 at 64×64 from 8×8 down) and 3-channel 7×7 stems take unfold.
 """
 
 from __future__ import annotations
