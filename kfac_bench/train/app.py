@@ -41,6 +41,10 @@ def help_text() -> str:
         options = sorted(f.stem for f in (root / group).glob("*.yaml"))
         shown = [o + ("*" if chosen.get(group) == o else "") for o in options]
         lines.append(f"  {group:12s} {', '.join(shown)}")
+    launchers = sorted(f.stem for f in (root / "hydra" / "launcher").glob("*.yaml"))
+    lines.append(
+        f"  {'hydra/launcher':12s} basic*, {', '.join(launchers)} (needs 'kfac-bench[slurm]')"
+    )
     lines += ["", f"recipes (+recipe=NAME): {', '.join(recipe_names())}", ""]
     lines.append(f"top-level keys: {', '.join(str(k) for k in defaults)}")
     lines += [

@@ -121,3 +121,24 @@ def test_sigterm_checkpoints_requeues_and_resume_matches_uninterrupted(tmp_path:
     assert b["steps"] == a["steps"] == 60 and b["samples"] == a["samples"]
     assert b["final_metrics"] == a["final_metrics"]
     assert b["train_time_s"] >= stopped["train_time_s"]
+
+
+def test_multirun_sweep_then_compare_the_sweep_folder(tmp_path: Path) -> None:
+    sweep = run_cli(
+        "train",
+        "-m",
+        *TINY,
+        "kfac=none,comm_opt",
+        "train.targets.top1=0.0",
+        "hydra.sweep.dir=sweep",
+        cwd=tmp_path,
+        timeout=180,
+    )
+    assert sweep.returncode == 0, sweep.stderr[-2000:]
+    result = run_cli("compare", "sweep", "--out", "cmp", "--format", "csv", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = result.stdout.splitlines()
+    assert rows[1].startswith("kfac=none,off,success,") and rows[2].startswith(
+        "kfac=comm_opt,comm_opt,success,"
+    )
+    assert (tmp_path / "cmp" / "compare.png").stat().st_size > 1000
