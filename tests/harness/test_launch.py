@@ -50,14 +50,15 @@ def test_torchrun_launcher_two_processes(tmp_path: Path) -> None:
         *TINY,
         "launcher=torchrun",
         "launcher.nproc_per_node=2",
+        "train.accumulation_steps=2",
         "hydra.run.dir=run",
         cwd=tmp_path,
         timeout=180,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     s = _summary(tmp_path / "run")
-    # Each rank takes 32 examples per step: global samples are twice the single-process run's.
-    assert s["world_size"] == 2 and s["steps"] == 12 and s["samples"] == 12 * 64
+    # 6 micro-batches of 32 per rank and epoch, 2 per optimizer step (DDP no_sync on the first).
+    assert s["world_size"] == 2 and s["steps"] == 6 and s["samples"] == 6 * 2 * 32 * 2
     assert s["kfac_enabled"] and s["status"] in ("success", "target_not_reached")
     assert len((tmp_path / "run" / "eval.jsonl").read_text().splitlines()) == 2
 
