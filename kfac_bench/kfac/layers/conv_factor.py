@@ -378,52 +378,61 @@ def _fill_bias(out: Tensor, grids: Tensor, plan: _Plan, kw: int, n: int) -> None
     out[d, d] = n * ax_r.out * ax_c.out
 
 
-# Cost model for the dispatch, calibrated on the 2-core development machine (float32, 2 threads). Both
-# methods are exact, so a wrong choice only costs time; the constants only need the right order.
-_GEMM_PEAK = 200e9  # FLOP/s of a large GEMM
+# Cost model for the dispatch: work counts times per-unit costs, fitted (weighted by 1/time) to 77 timed
+# layer shapes on the 2-core development machine (float32, 2 threads); median error ~10-15 %. Both
+# methods are exact, so a wrong choice near a tie only costs a little time.
+_GEMM_PEAK = 200e9  # FLOP/s of a large float32 GEMM (before _GEMM_SCALE)
 _GEMM_HALF = 32  # square GEMM side at which half the peak is reached (thin GEMMs are memory-bound)
-_UNFOLD_PER_ELEMENT = 3e-9  # s per patch element written by F.unfold and re-laid out for the GEMM
-_COPY_PER_ELEMENT = 1e-9  # s per element of a copy (phase grids, strips, block updates)
-_TRANSPOSED_WRITE = 3e-9  # s per element of writing a block transposed (strided, cache-unfriendly)
-_CALL = 2e-5  # s of fixed overhead per tensor operation
+_GEMM_SCALE = 0.75  # fitted correction of the GEMM rate model
+_UNFOLD = 2.6e-9  # s per patch element written by F.unfold and re-laid out for the GEMM
+_COPY = 1.25e-9  # s per element copied or updated (grids, strips, blocks, the result)
+_CALL = 8e-6  # s of fixed overhead per tensor operation
+_UNFOLD_CALLS = 10  # tensor operations of one unfold + GEMM
 
 
 def _gemm_time(m: int, k: int) -> float:
-    """``(m × k) @ (k × m)``: thin GEMMs are memory-bound, and the output is written once."""
-    return 2.0 * m * m * k / (_GEMM_PEAK * m / (m + _GEMM_HALF)) + _COPY_PER_ELEMENT * m * m
+    """Compute time of ``(m × k) @ (k × m)``: thin GEMMs are memory-bound, so their rate is lower."""
+    return 2.0 * m * m * k / (_GEMM_PEAK * m / (m + _GEMM_HALF))
 
 
-def _shift_time(plan: _Plan, n: int, c: int) -> float:
+def _shift_features(plan: _Plan, n: int, c: int) -> tuple[float, int, int]:
+    """Work of the shift method: (GEMM seconds, elements copied or updated, tensor operations)."""
     hpad, wpad = plan.pad_shape
     k = n * hpad * wpad
-    block = _CALL + _COPY_PER_ELEMENT * c * c  # one pass over a C × C block
     lines = sum(len(cols) for cols in plan.strip_cols)
-    time = (
-        _COPY_PER_ELEMENT * c * (len(plan.grid_phases) * k + 2 * n * hpad * lines)
-    )  # grids, strips
+    # Every block is stacked, written, and written again transposed as its mirror image.
+    pairs = sum(len(group.pairs) for group in plan.groups)
+    copied = c * (len(plan.grid_phases) * k + 2 * n * hpad * lines) + 3 * c * c * pairs
+    calls = 4 + len(plan.groups)
+    gemm = 0.0
     for group in plan.groups:
-        # writing the block and its transpose
-        time += (block + _CALL + _TRANSPOSED_WRITE * c * c) * len(group.pairs)
         if group.empty:
             continue
-        time += _gemm_time(c, k) + _CALL
         rows = {run for ex_r, _ in group.excluded for run in ex_r}
         cols = {run for _, ex_c in group.excluded for run in ex_c}
         corners = {(r, q) for ex_r, ex_c in group.excluded for r in ex_r for q in ex_c}
+        gemm += _gemm_time(c, k)
+        gemm += sum(_gemm_time(c, n * (r1 - r0) * wpad) for r0, r1 in rows)
+        gemm += sum(_gemm_time(c, n * (c1 - c0) * hpad) for c0, c1 in cols)
+        gemm += sum(_gemm_time(c, n * (r1 - r0) * (c1 - c0)) for (r0, r1), (c0, c1) in corners)
+        calls += 2 + 2 * (len(rows) + len(cols)) + 4 * len(corners)
+        copied += c * c * (1 + len(rows) + len(cols) + len(corners))
         for ex_r, ex_c in group.excluded:
-            if ex_r or ex_c:  # clone, then one update per band and per corner
-                time += block * (1 + len(ex_r) + len(ex_c) + len(ex_r) * len(ex_c))
-        time += sum(_gemm_time(c, n * (r1 - r0) * wpad) + _CALL for r0, r1 in rows)
-        time += sum(_gemm_time(c, n * (c1 - c0) * hpad) + _CALL for c0, c1 in cols)
-        for (r0, r1), (c0, c1) in corners:
-            area = n * (r1 - r0) * (c1 - c0)
-            time += _gemm_time(c, area) + 2 * _COPY_PER_ELEMENT * c * area + 3 * _CALL
-    return time
+            updates = len(ex_r) + len(ex_c) + len(ex_r) * len(ex_c)
+            if updates:  # clone, then one update per band and per corner
+                copied, calls = copied + c * c * (1 + updates), calls + 1 + updates
+    return gemm, copied, calls
+
+
+def _shift_time(plan: _Plan, n: int, c: int) -> float:
+    gemm, copied, calls = _shift_features(plan, n, c)
+    return _GEMM_SCALE * gemm + _COPY * copied + _CALL * calls
 
 
 def _unfold_time(n: int, c: int, kk: int, positions: int) -> float:
     d = c * kk
-    return _gemm_time(d, n * positions) + _UNFOLD_PER_ELEMENT * d * n * positions
+    gemm = _gemm_time(d, n * positions)
+    return _GEMM_SCALE * gemm + _UNFOLD * d * n * positions + _COPY * d * d + _UNFOLD_CALLS * _CALL
 
 
 def fast_method(
