@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
@@ -201,3 +202,24 @@ def test_float32_stays_accurate_on_relu_activations():
     expected = conv2d_a_factor_unfold(x.double(), *args)
     actual = conv2d_a_factor_shift(x, *args).double()
     assert ((actual - expected).abs().max() / expected.abs().max()).item() < 1e-5
+
+
+def test_shift_path_matches_unfold_on_random_configurations():
+    # Strides up to 4, dilations up to 3, paddings up to 4 (often wider than the kernel), maps down to 1×1.
+    rng = random.Random(0)
+    gen = torch.Generator().manual_seed(8)
+    checked = 0
+    while checked < 40:
+        kernel = (rng.randint(1, 7), rng.randint(1, 7))
+        stride = (rng.randint(1, 4), rng.randint(1, 4))
+        dilation = (rng.randint(1, 3), rng.randint(1, 3))
+        padding = tuple(rng.randint(0, 4) for _ in range(4))
+        h, w = rng.randint(1, 14), rng.randint(1, 14)
+        if h + padding[0] + padding[1] <= dilation[0] * (kernel[0] - 1):
+            continue
+        if w + padding[2] + padding[3] <= dilation[1] * (kernel[1] - 1):
+            continue
+        x = torch.randn(rng.randint(1, 3), rng.randint(1, 4), h, w, dtype=DT, generator=gen)
+        args = (x, kernel, stride, padding, dilation, rng.random() < 0.5)
+        _assert_close(conv2d_a_factor_shift(*args), conv2d_a_factor_unfold(*args))
+        checked += 1
