@@ -223,3 +223,13 @@ def test_shift_path_matches_unfold_on_random_configurations():
         args = (x, kernel, stride, padding, dilation, rng.random() < 0.5)
         _assert_close(conv2d_a_factor_shift(*args), conv2d_a_factor_unfold(*args))
         checked += 1
+
+
+def test_input_that_requires_grad_is_read_detached():
+    x = torch.randn(2, 3, 5, 5, requires_grad=True)
+    for kernel, padding in (((1, 1), (0, 0, 0, 0)), ((3, 3), (1, 1, 1, 1))):
+        s = conv2d_a_factor(x, kernel, (1, 1), padding, (1, 1), False)
+        assert not s.requires_grad
+        torch.testing.assert_close(
+            s, conv2d_a_factor_unfold(x.detach(), kernel, (1, 1), padding, (1, 1), False)
+        )

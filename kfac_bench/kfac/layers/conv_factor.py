@@ -323,7 +323,9 @@ def conv2d_a_factor_shift(
     """Input factor by the shift-correlation method (module docstring); contract of the unfold reference.
 
     Memory: one zero-margined copy of the input (its phase grids), the result, and thin boundary bands.
+    The result is a curvature statistic, not part of the autograd graph: ``x`` is read detached.
     """
+    x = x.detach()
     n, c, h, w = x.shape
     plan = _plan(h, w, tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation))
     kk = kernel_size[0] * kernel_size[1]
@@ -503,6 +505,7 @@ def conv2d_a_factor(
     method (for 1×1: subsample, transpose, one GEMM); small channel counts on large kernels take unfold,
     in batch chunks that bound the patch tensor to a few times the input.
     """
+    x = x.detach()  # a curvature statistic: never part of the autograd graph
     if fast_method(x, kernel_size, stride, padding, dilation, bias) == "shift":
         return conv2d_a_factor_shift(x, kernel_size, stride, padding, dilation, bias)
     return _unfold_chunked(x, kernel_size, stride, padding, dilation, bias)
