@@ -23,7 +23,7 @@ summed over the output window of ``k``. The shift method (KFC's Ω computed as c
 ``conv2d_a_factor`` picks, per shape, this method or unfold + GEMM (``conv2d_a_factor_unfold``, run in batch
 chunks that bound the patch tensor) with a cost model; both are exact. 1×1 kernels always take the shift path
 (subsample, one GEMM). k×k kernels take it while the bands stay thin and the ``kh·kw·(kh·kw+1)/2`` blocks stay
-cheap to assemble (ResNet-32's CIFAR layers: 3.9-5.5× faster than unfold + GEMM in total on 2 cores); many
+cheap to assemble (ResNet-32's CIFAR layers: about 4-5.5× faster than unfold + GEMM in total, 2 cores); many
 channels on small maps (ResNet-50 at 64×64 from 8×8 down) and 3-channel 7×7 stems take unfold.
 """
 
@@ -501,9 +501,19 @@ def conv2d_a_factor(
 
     Same contract as :func:`conv2d_a_factor_unfold`: shape ``(D, D)`` with ``D = C·kh·kw (+1 if bias)``,
     rows/columns in the order of ``weight.reshape(out_channels, -1)`` with the bias entry last, symmetric,
-    not normalised, computed in ``x``'s dtype. 1×1 kernels (any stride) and most k×k layers take the shift
-    method (for 1×1: subsample, transpose, one GEMM); small channel counts on large kernels take unfold,
-    in batch chunks that bound the patch tensor to a few times the input.
+    not normalised, computed in ``x``'s dtype (read detached). Which method runs is in the module docstring;
+    unfold runs in batch chunks whose patches hold at most ``max(4·x.numel(), D², 2²²)`` elements.
+
+    Args:
+        x: Conv input, shape ``(N, C, H, W)``, any float dtype (cast to the factor dtype beforehand).
+        kernel_size: ``(kh, kw)``.
+        stride: ``(sh, sw)``.
+        padding: Zero padding ``(top, bottom, left, right)``; may be asymmetric (``padding='same'``).
+        dilation: ``(dh, dw)``.
+        bias: Append the constant 1 to each patch: ``S[-1, -1] = N·T``, ``S[:-1, -1]`` = sum of patches.
+
+    Raises:
+        ValueError: The settings leave no output position (the convolution itself would fail).
     """
     x = x.detach()  # a curvature statistic: never part of the autograd graph
     if fast_method(x, kernel_size, stride, padding, dilation, bias) == "shift":
