@@ -14,6 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from kfac_bench.config import recipes_dir
+from kfac_bench.config.families import SCHEMAS as FAMILY_SCHEMAS
 from kfac_bench.config.schema import SCHEMAS, RunConfig
 from kfac_bench.errors import ConfigError
 
@@ -44,7 +45,7 @@ def register() -> None:
         return
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
-    for group, name, schema in SCHEMAS:
+    for group, name, schema in [*SCHEMAS, *FAMILY_SCHEMAS]:
         cs.store(group=f"schema/{group}", name=name, node=schema)
     for path in sorted(recipes_dir().glob("*.yaml")):
         package = _recipe_package(path)
