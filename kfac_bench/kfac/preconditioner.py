@@ -303,11 +303,12 @@ class KFACPreconditioner:
                 self._broadcast_second_order()
             self._has_decompositions = True
         with self._stage("precondition"):
-            grads = self._precondition_gradients(resolve(self.damping, step))
+            raw = self._layer_gradients()
+            grads = self._precondition_gradients(raw, resolve(self.damping, step))
         with self._stage("grad_broadcast"):
             self._broadcast_gradients(grads)
         with self._stage("kl_clip"):
-            nu = self._kl_clip_scale(grads, step)
+            nu = self._kl_clip_scale(grads, raw, step)
         self._write_gradients(grads, nu)
         self.steps += 1
         self._collecting = is_due(self.factor_update_steps, self.steps)
@@ -454,15 +455,26 @@ class KFACPreconditioner:
         assert isinstance(w, torch.Tensor)
         return w.device
 
-    def _precondition_gradients(self, damping: float) -> dict[str, torch.Tensor]:
-        """Preconditioned gradients of the layers this rank is a gradient worker for."""
+    def _layer_gradients(self) -> dict[str, torch.Tensor]:
+        """Each registered layer's ``[W b]`` gradient matrix (layers without a gradient are absent)."""
+        if not self._has_decompositions:
+            return {}
         out = {}
         for name, layer in self.layers.items():
+            grad = layer.handler.grad(layer.module)
+            if grad is not None:
+                out[name] = grad
+        return out
+
+    def _precondition_gradients(
+        self, raw: dict[str, torch.Tensor], damping: float
+    ) -> dict[str, torch.Tensor]:
+        """Preconditioned gradients: computed where this rank is a gradient worker, else receive buffers."""
+        out = {}
+        for name, grad in raw.items():
+            layer = self.layers[name]
             work = layer.work
             assert work is not None
-            grad = layer.handler.grad(layer.module)
-            if grad is None or not self._has_decompositions:
-                continue
             if self.comm.rank not in work.grad_workers:
                 out[name] = torch.empty_like(grad)  # receive buffer for the gradient broadcast
                 continue
@@ -485,7 +497,9 @@ class KFACPreconditioner:
         for w in works:
             w.wait()
 
-    def _kl_clip_scale(self, grads: dict[str, torch.Tensor], step: int) -> torch.Tensor | None:
+    def _kl_clip_scale(
+        self, grads: dict[str, torch.Tensor], raw: dict[str, torch.Tensor], step: int
+    ) -> torch.Tensor | None:
         """ν = min(1, sqrt(κ / |Σ_layers lr²·⟨∇̃W, ∇W⟩|)) as a device scalar: no host synchronisation."""
         if self.kl_clip is None or not grads:
             return None
@@ -493,9 +507,7 @@ class KFACPreconditioner:
         lr = resolve(self.lr, step)
         vg = torch.zeros((), dtype=torch.float64, device=next(iter(grads.values())).device)
         for name, pg in grads.items():
-            g = self.layers[name].handler.grad(self.layers[name].module)
-            assert g is not None
-            vg += (pg.double() * g.double()).sum()
+            vg += (pg * raw[name]).sum(dtype=torch.float64)
         vg = vg * lr**2
         # |vg| = 0 gives sqrt(inf) -> clamped to 1: no scaling, as the reference does.
         return torch.sqrt(kappa / vg.abs()).clamp(max=1.0)
