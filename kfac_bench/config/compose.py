@@ -29,6 +29,13 @@ _OVERRIDE = re.compile(r"Could not override '([^']+)'")
 _MERGING = re.compile(r"Error merging override (\S+)")
 
 
+def normalize_overrides(overrides: Sequence[str]) -> list[str]:
+    """Accept ``+recipe=NAME`` (the documented form) for the ``recipe`` group, which the primary config
+    already selects (``recipe: digits``, the bundled default job); Hydra itself only takes ``recipe=NAME``
+    for a group in the defaults list. Selecting a recipe replaces the default one as a whole."""
+    return [re.sub(r"^\+{1,2}recipe=", "recipe=", o) for o in overrides]
+
+
 def compose_run(overrides: Sequence[str], return_hydra_config: bool = False) -> DictConfig:
     """The composed run config for command-line ``overrides`` (``key=value`` strings).
 
@@ -39,7 +46,9 @@ def compose_run(overrides: Sequence[str], return_hydra_config: bool = False) -> 
     try:
         with initialize_config_dir(str(config_dir()), version_base="1.3", job_name="kfac_bench"):
             return compose(
-                PRIMARY, overrides=list(overrides), return_hydra_config=return_hydra_config
+                PRIMARY,
+                overrides=normalize_overrides(overrides),
+                return_hydra_config=return_hydra_config,
             )
     except (HydraException, OmegaConfBaseException) as exc:
         raise to_config_error(exc) from None

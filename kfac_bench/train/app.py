@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kfac_bench.config import config_dir
-from kfac_bench.config.compose import PRIMARY, compose_run
+from kfac_bench.config.compose import PRIMARY, compose_run, normalize_overrides
 from kfac_bench.config.store import recipe_names, register
 from kfac_bench.errors import UserError
 
@@ -45,7 +45,11 @@ def help_text() -> str:
     lines.append(
         f"  {'hydra/launcher':12s} basic*, {', '.join(launchers)} (needs 'kfac-bench[slurm]')"
     )
-    lines += ["", f"recipes (+recipe=NAME): {', '.join(recipe_names())}", ""]
+    lines += [
+        "",
+        f"recipes (+recipe=NAME; default {chosen.get('recipe')}): {', '.join(recipe_names())}",
+        "",
+    ]
     lines.append(f"top-level keys: {', '.join(str(k) for k in defaults)}")
     lines += [
         "",
@@ -91,7 +95,7 @@ def check_overrides(overrides: Sequence[str], multirun: bool) -> None:
         return
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    parsed = OverridesParser.create().parse_overrides(normalize_overrides(overrides))
     base = [o.input_line if not o.is_sweep_override() else _first(o) for o in parsed]
     compose_run(base, return_hydra_config=True)
     checks = 0
@@ -121,7 +125,7 @@ def train_main(args: Sequence[str]) -> int:
     multirun = "-m" in flags or "--multirun" in flags
     if not any(f in flags for f in ("--hydra-help", "--info", "-i", "--shell-completion", "-sc")):
         check_overrides(overrides, multirun)
-    return _run_hydra(list(args))
+    return _run_hydra(normalize_overrides(args))
 
 
 def _run_hydra(args: list[str]) -> int:

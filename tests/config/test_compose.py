@@ -60,6 +60,18 @@ def test_recipe_values_win_over_defaults_and_command_line_wins_over_recipe() -> 
     assert cfg.model.channels == 3 and cfg.kfac.enabled is False
 
 
+def test_a_selected_recipe_replaces_the_default_one_as_a_whole() -> None:
+    default = compose_run([])
+    assert list(default.lr_schedule.milestones) == [5, 8] and dict(default.train.targets) == {
+        "top1": 0.985
+    }
+    for form in ("+recipe=digits_smoke", "recipe=digits_smoke", "++recipe=digits_smoke"):
+        cfg = compose_run([form])
+        # Nothing of the digits recipe leaks in: keys it sets and the smoke recipe does not are defaults.
+        assert list(cfg.lr_schedule.milestones) == [] and dict(cfg.train.targets) == {"top1": 0.45}
+        assert cfg.name == "digits_smoke"
+
+
 def test_default_job_is_digits_with_kfac() -> None:
     cfg = compose_run([])
     assert cfg.dataset._target_.endswith("build_digits") and cfg.kfac.enabled
