@@ -96,7 +96,7 @@ def check_overrides(overrides: Sequence[str], multirun: bool) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(normalize_overrides(overrides))
-    base = [o.input_line if not o.is_sweep_override() else _first(o) for o in parsed]
+    base = [str(o.input_line) if not o.is_sweep_override() else _first(o) for o in parsed]
     compose_run(base, return_hydra_config=True)
     checks = 0
     for i, o in enumerate(parsed):

@@ -82,7 +82,7 @@ def build(cfg: Any, **kwargs: Any) -> Any:
         raise
 
 
-class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
+class ResumableSampler(DistributedSampler):
     """A ``DistributedSampler`` whose epoch can start at a given batch.
 
     ``set_epoch(epoch, skip=k)`` reshuffles with ``seed + epoch`` (the same order on every restart) and
@@ -93,7 +93,7 @@ class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
         self.skip = 0
 
-    def set_epoch(self, epoch: int, skip: int = 0) -> None:  # type: ignore[override]
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
         super().set_epoch(epoch)
         self.skip = skip
 

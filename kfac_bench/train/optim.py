@@ -33,7 +33,8 @@ def base_lr(cfg: OptimizerConfig, world_size: int) -> float:
 def _param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict[str, Any]]:
     if not cfg.no_decay_bias_and_norm:
         return [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for module in model.modules():
         norm = isinstance(module, nn.modules.batchnorm._NormBase | nn.LayerNorm | nn.GroupNorm)
         for name, p in module.named_parameters(recurse=False):

@@ -254,7 +254,7 @@ def _run(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv, device: torch
 
     def save() -> None:
         rng = ckpt.rng_state()
-        rngs = [None] * env.world_size
+        rngs: list[Any] = [None] * env.world_size
         if env.distributed:
             dist.all_gather_object(rngs, rng)
         else:
