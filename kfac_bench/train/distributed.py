@@ -13,6 +13,7 @@ import re
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -88,9 +89,28 @@ def setup(env: DistEnv, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+        )
+        return
+    # Under torchrun every rank is a client of the agent's store, which outlives a restart: keys of the
+    # failed attempt (e.g. gloo's peer addresses) must not be read by the next one, hence a prefix.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        env.master_addr,
+        env.master_port,
+        env.world_size,
+        is_master=not agent_store and env.rank == 0,
+        timeout=timedelta(minutes=10),
+    )
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        store=dist.PrefixStore(f"kfac_bench/attempt_{restart}", store),
         rank=env.rank,
         world_size=env.world_size,
     )

@@ -162,3 +162,40 @@ def test_slurm_script_checkpoints_and_requeues_on_preemption(tmp_path: Path) -> 
     assert s["status"] == "preempted" and 0 < s["steps"] < 240
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)
     assert saved["state"]["step"] == s["steps"]
+
+
+@pytest.mark.distributed
+def test_torchrun_restarts_a_failed_rank_from_the_checkpoint(tmp_path: Path) -> None:
+    env = cli_env()
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    marker = tmp_path / "crashed"
+    args = [
+        *TINY,
+        "kfac=none",
+        "launcher=torchrun",
+        "launcher.nproc_per_node=2",
+        "launcher.max_restarts=1",
+        "launcher.monitor_interval=0.2",
+        "hydra.run.dir=run",
+        # rank 1 dies in the 10th step (epoch 2), after the epoch-1 checkpoint (6 steps)
+        "model._target_=tests.harness.faulty.build_crash_once",
+        f"+model.marker={marker}",
+        "+model.crash_at=10",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "kfac_bench.cli", "train", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert marker.read_text() == "crashed"
+    assert "resumed at step 6" in result.stdout
+    s = _summary(tmp_path / "run")
+    assert (
+        s["status"] in ("success", "target_not_reached")
+        and s["steps"] == 12
+        and s["world_size"] == 2
+    )
