@@ -18,6 +18,7 @@ from torch import nn
 
 from kfac_bench.config.schema import KFACConfig
 from kfac_bench.errors import ConfigError
+from kfac_bench.kfac.schedules import step_decay
 
 __all__ = ["FROM_LOOP", "HARNESS_ONLY", "build_preconditioner", "epoch_step_decay", "kfac_kwargs"]
 
@@ -40,14 +41,10 @@ _STRATEGIES = ("comm_opt", "mem_opt", "hybrid_opt")
 def epoch_step_decay(
     base: float, milestones: list[int], factor: float, steps_per_epoch: int
 ) -> Callable[[int], float]:
-    """``base * factor**k``, k = milestones passed by the epoch ``step // steps_per_epoch``."""
-    points = sorted(int(m) for m in milestones)
-
-    def value(step: int) -> float:
-        epoch = step // steps_per_epoch
-        return base * factor ** sum(1 for m in points if epoch >= m)
-
-    return value
+    """``base * factor**k``, k = milestones passed by the epoch ``step // steps_per_epoch``: the engine's
+    epoch schedule, read at the preconditioner's step count."""
+    by_epoch = step_decay(base, [int(m) for m in milestones], factor)
+    return lambda step: by_epoch(step // steps_per_epoch)
 
 
 def _grad_worker_fraction(value: str) -> float | str:
