@@ -126,7 +126,9 @@ class LRScheduleConfig:
     "from LR/N up to LR", i.e. from the single-worker rate) to 1, then: ``warmup_multistep`` multiplies by
     ``gamma`` at every milestone passed; ``polynomial`` decays as ``(1 - t/total) ** power`` to
     ``min_factor``; ``cosine`` follows a half cosine to ``min_factor``; ``constant`` stays at 1.
-    ``total`` defaults to the run's length.
+    ``total`` defaults to the run's length. ``decay_from_start``: the polynomial/cosine progress counts from
+    step 0, not from the end of the warm-up, as NVIDIA's BERT ``PolyWarmUpScheduler`` does (the paper's BERT
+    runs): the rate then drops from 1 to ``(1 - warmup/total) ** power`` when the warm-up ends.
     """
 
     name: ScheduleName = ScheduleName.warmup_multistep
@@ -138,6 +140,7 @@ class LRScheduleConfig:
     power: float = 1.0
     min_factor: float = 0.0
     total: float | None = None
+    decay_from_start: bool = False
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from kfac_bench.errors import ConfigError, UserError
+from kfac_bench.errors import UserError
 
 __all__ = ["MaskedLMTask", "accumulation_steps", "build_masked_lm"]
 
@@ -29,35 +29,16 @@ IGNORE_INDEX = -100
 def accumulation_steps(global_batch: int, local_batch: int, world_size: int) -> int:
     """Micro-steps per optimizer step so that ``world_size`` ranks of ``local_batch`` make ``global_batch``.
 
-    ``global_batch = local_batch * world_size * steps`` exactly, as NVIDIA's BERT recipe requires (the paper:
-    global 65536 in phase 1 and 32768 in phase 2; e.g. local 64 on 16 GPUs gives 64 micro-steps).
+    The harness's arithmetic (:func:`kfac_bench.train.run.accumulation_steps`, which derives the loop's
+    accumulation from ``train.global_batch_size``), in the argument order of NVIDIA's BERT recipe.
 
     Raises:
         ConfigError: a non-positive size, or ``global_batch`` not a multiple of ``local_batch * world_size``
             (the message names the nearest local batches that fit).
     """
-    if min(global_batch, local_batch, world_size) < 1:
-        raise ConfigError(
-            f"batch sizes and world size must be positive, got global_batch={global_batch}, "
-            f"local_batch={local_batch}, world_size={world_size}"
-        )
-    per_step = local_batch * world_size
-    if global_batch % per_step == 0:
-        return global_batch // per_step
-    if global_batch % world_size:
-        raise ConfigError(
-            f"global batch {global_batch} is not a multiple of world size {world_size}: "
-            "choose a global batch or a number of processes that divides it"
-        )
-    per_rank = global_batch // world_size
-    fits = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
-    below = max((d for d in fits if d < local_batch), default=None)
-    above = min((d for d in fits if d > local_batch), default=None)
-    options = " or ".join(str(d) for d in (below, above) if d is not None)
-    raise ConfigError(
-        f"global batch {global_batch} is not a multiple of local batch {local_batch} x world size "
-        f"{world_size} = {per_step}: use a local batch that divides {per_rank}, e.g. {options}"
-    )
+    from kfac_bench.train.run import accumulation_steps as harness_accumulation_steps
+
+    return harness_accumulation_steps(local_batch, world_size, global_batch, default=1)
 
 
 def _logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

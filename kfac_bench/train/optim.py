@@ -96,7 +96,8 @@ def lr_factor(
     def decay(t: float) -> float:
         if name is ScheduleName.warmup_multistep:
             return cfg.gamma ** sum(1 for m in milestones if t >= m)
-        progress = min(max((t - warmup) / max(total - warmup, 1.0), 0.0), 1.0)
+        origin = 0.0 if cfg.decay_from_start else warmup
+        progress = min(max((t - origin) / max(total - origin, 1.0), 0.0), 1.0)
         if name is ScheduleName.polynomial:
             return cfg.min_factor + (1 - cfg.min_factor) * (1 - progress) ** cfg.power
         if name is ScheduleName.cosine:

@@ -42,15 +42,39 @@ EXIT_CODES = {"success": 0, "target_not_reached": 0, "diverged": 0, "preempted":
 def accumulation_steps(
     batch_size: int, world_size: int, global_batch: int | None, default: int
 ) -> int:
-    """Micro-batches per optimizer step: ``global / (batch_size * world)`` if a global batch is set."""
+    """Micro-batches per optimizer step: ``global / (batch_size * world)`` if a global batch is set.
+
+    ``global_batch = batch_size * world_size * steps`` exactly (NVIDIA's BERT recipe and the paper fix the
+    global batch: 65536 in phase 1, 32768 in phase 2; e.g. local 64 on 16 GPUs gives 64 micro-steps).
+
+    Raises:
+        ConfigError: a non-positive size, or ``global_batch`` not a multiple of ``batch_size * world_size``
+            (the message names the nearest local batches that fit).
+    """
     if global_batch is None:
         return default
-    per_step = batch_size * world_size
-    if global_batch % per_step:
+    if min(global_batch, batch_size, world_size) < 1:
         raise ConfigError(
-            f"train.global_batch_size={global_batch} is not a multiple of batch_size*world_size={per_step}"
+            f"batch sizes and world size must be positive, got train.global_batch_size={global_batch}, "
+            f"train.batch_size={batch_size}, world_size={world_size}"
         )
-    return global_batch // per_step
+    per_step = batch_size * world_size
+    if global_batch % per_step == 0:
+        return global_batch // per_step
+    if global_batch % world_size:
+        raise ConfigError(
+            f"train.global_batch_size={global_batch} is not a multiple of world size {world_size}: "
+            "choose a global batch or a number of processes that divides it"
+        )
+    per_rank = global_batch // world_size
+    fits = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+    below = max((d for d in fits if d < batch_size), default=None)
+    above = min((d for d in fits if d > batch_size), default=None)
+    options = " or ".join(str(d) for d in (below, above) if d is not None)
+    raise ConfigError(
+        f"train.global_batch_size={global_batch} is not a multiple of local batch {batch_size} x world "
+        f"size {world_size} = {per_step}: use a train.batch_size that divides {per_rank}, e.g. {options}"
+    )
 
 
 def _seed(seed: int) -> None:
