@@ -243,11 +243,12 @@ class KFACPreconditioner:
             g = grad_outputs[index]
             if g is None:
                 return
-            gram = layer.handler.g_gram(module, g.detach(), self.factor_dtype)
-            scale = self._loss_scale()
-            if scale is not None:
-                gram = gram._replace(sum=gram.sum / scale**2)
-            layer.g_batch.add(gram, self.factor_scaling, True, layer.handler.spatial)
+            with self._stage("factor", sync=False):
+                gram = layer.handler.g_gram(module, g.detach(), self.factor_dtype)
+                scale = self._loss_scale()
+                if scale is not None:
+                    gram = gram._replace(sum=gram.sum / scale**2)
+                layer.g_batch.add(gram, self.factor_scaling, True, layer.handler.spatial)
             layer.seen_g = True
             layer.pending_g -= 1
             if layer.pending_g == 0 and self._micro_batches >= self.accumulation_steps:
@@ -541,14 +542,18 @@ class KFACPreconditioner:
             logger.warning(msg, *args)
 
     @contextlib.contextmanager
-    def _stage(self, name: str) -> Iterator[None]:
+    def _stage(self, name: str, sync: bool = True) -> Iterator[None]:
+        """Add the block's wall time to a stage. ``sync=False`` (inside hooks, where synchronising CUDA
+        per layer would stall the pipeline) measures host time only, exact on CPU."""
         if not self.track_stage_times:
             yield
             return
-        self._sync()
+        if sync:
+            self._sync()
         t0 = time.perf_counter()
         yield
-        self._sync()
+        if sync:
+            self._sync()
         self._stage_seconds[name] += time.perf_counter() - t0
 
     def _sync(self) -> None:
@@ -557,7 +562,9 @@ class KFACPreconditioner:
 
     # ------------------------------------------------------------------ introspection / lifecycle
     def stage_times(self) -> dict[str, float]:
-        """Cumulative seconds per stage since construction (zeros unless ``track_stage_times``)."""
+        """Cumulative seconds per stage since construction (zeros unless ``track_stage_times``).
+
+        ``factor`` includes the factor work done inside the forward and backward hooks."""
         return dict(self._stage_seconds)
 
     def assignment_summary(self) -> str:

@@ -58,9 +58,9 @@ class Conv2dHandler:
     def g_gram(self, module: nn.Module, g: torch.Tensor, dtype: torch.dtype) -> Gram:
         if g.dim() == 3:
             g = g.unsqueeze(0)
-        g = g.to(dtype)
-        gram = torch.tensordot(g, g, dims=([0, 2, 3], [0, 2, 3]))
-        return Gram(gram, g.shape[0], g.shape[2] * g.shape[3])
+        # One (C, N·H·W) copy and one GEMM: measured faster than tensordot or a batched product.
+        rows = g.to(dtype).transpose(0, 1).reshape(g.shape[1], -1)
+        return Gram(rows @ rows.t(), g.shape[0], g.shape[2] * g.shape[3])
 
     def grad(self, module: nn.Module) -> torch.Tensor | None:
         return weight_bias_grad(module)
