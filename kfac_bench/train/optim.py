@@ -35,10 +35,13 @@ def _param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict[str, Any]
         return [{"params": [p for p in model.parameters() if p.requires_grad]}]
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
+    # Tied weights (BERT's MLM decoder is the word embedding) go in one group, once.
+    seen: set[int] = set()
     for module in model.modules():
         norm = isinstance(module, nn.modules.batchnorm._NormBase | nn.LayerNorm | nn.GroupNorm)
         for name, p in module.named_parameters(recurse=False):
-            if p.requires_grad:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
                 (no_decay if norm or name == "bias" else decay).append(p)
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
