@@ -139,13 +139,25 @@ def _epoch_batches(loop: Loop) -> Iterator[list[Any]]:
             yield group
 
 
+class FirstBatches:
+    """The first ``n`` batches of ``loader``, keeping its ``dataset``: a task may score against the
+    dataset itself (COCO evaluation reads the ground truth from ``loader.dataset``)."""
+
+    def __init__(self, loader: Any, n: int) -> None:
+        self.loader, self.n = loader, n
+        self.dataset = getattr(loader, "dataset", None)
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.loader), self.n)
+
+
 def evaluate(loop: Loop) -> dict[str, Any]:
     """Evaluate, record the result (sinks, tracker) and return the record."""
     s = loop.state
     s.train_clock.stop()
-    loader = loop.eval_loader
+    loader: Any = loop.eval_loader
     if loop.limit_eval_batches is not None:
-        loader = list(itertools.islice(iter(loader), loop.limit_eval_batches))
+        loader = FirstBatches(loader, loop.limit_eval_batches)
     metrics = loop.task.evaluate(loop.module, loader)
     record = {
         "step": s.step,
