@@ -23,8 +23,9 @@ from kfac_bench.config.compose import compose_run
 from kfac_bench.config.store import recipe_names
 from kfac_bench.data.bert import BertPretrainingDataset
 from kfac_bench.data.bert_corpus import write_pydoc_corpus
+from kfac_bench.errors import ConfigError
 from kfac_bench.models.bert import BERT_KFAC_SKIP_LAYERS, build_bert, load_model_state
-from kfac_bench.train.data import build_splits
+from kfac_bench.train.data import build, build_splits
 from kfac_bench.train.kfac_adapter import build_preconditioner
 from kfac_bench.train.optim import lr_factor
 from kfac_bench.train.run import accumulation_steps
@@ -249,3 +250,11 @@ def test_prepare_bert_subcommand_writes_shards_the_recipes_read(
     assert cli_main([*args, "--max-seq-length", "many"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "invalid int value: 'many'" in err[0]
+
+
+def test_phase2_refuses_to_start_without_the_phase1_checkpoint() -> None:
+    for arm in (True, False):
+        cfg = compose_run([f"+recipe={_recipe(2, arm)}", "model.preset=tiny"])
+        with pytest.raises(ConfigError, match=r"init_checkpoint 'PHASE1_RUN_DIR/.*phase-1 run"):
+            build(cfg.model)
+        assert compose_run([f"+recipe={_recipe(1, arm)}"]).model.init_checkpoint is None
