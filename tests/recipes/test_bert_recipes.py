@@ -196,6 +196,29 @@ def test_both_arms_see_the_same_data_and_differ_only_by_kfac(smoke_runs: dict[st
     assert len(set(first)) == 1
 
 
+def test_kfac_smoke_on_two_ranks_with_hybrid_opt(
+    smoke_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    # 2 gloo ranks x local batch 4 x 2 accumulation steps = the same global batch of 16; with two ranks
+    # grad_worker_fraction 0.5 makes one gradient worker per layer (HYBRID-OPT = MEM-OPT at this size).
+    result = run_cli(
+        "train",
+        f"+recipe={_recipe(1, True, smoke=True)}",
+        f"dataset.root={smoke_runs['shards128']}",
+        "launcher=torchrun",
+        "launcher.nproc_per_node=2",
+        "train.batch_size=4",
+        *CLI_QUIET,
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = _summary(tmp_path / "run")
+    assert summary["status"] == "success" and summary["world_size"] == 2 and summary["kfac_enabled"]
+    assert summary["steps"] == 8 and summary["samples"] == 8 * 16
+    assert [e["step"] for e in _evals(tmp_path / "run")] == [4, 8]
+
+
 def test_phase2_starts_from_the_phase1_checkpoint(smoke_runs: dict[str, Path]) -> None:
     summary = _summary(smoke_runs["phase2"])
     assert summary["status"] == "success" and summary["kfac_enabled"]
