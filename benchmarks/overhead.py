@@ -110,9 +110,10 @@ def _kfac_step(
 
 
 def measure(
-    w: Workload, factor_steps: int, inv_steps: int, cycles: int, warmup_cycles: int = 1
+    w: Workload, factor_steps: int, inv_steps: int, cycles: int, warmup_steps: int = 3
 ) -> dict[str, Any]:
-    """Interleaved SGD and K-FAC steps over ``warmup_cycles + cycles`` decomposition intervals."""
+    """Interleaved SGD and K-FAC steps: ``warmup_steps`` (first-call costs, the first decomposition),
+    then ``cycles`` windows of ``inv_steps`` steps, each holding exactly one decomposition step."""
     torch.manual_seed(0)
     sgd_model, kfac_model = w.build(), w.build()
     kfac_model.load_state_dict(sgd_model.state_dict())
@@ -128,19 +129,22 @@ def measure(
         track_stage_times=True,
     )
     g = torch.Generator().manual_seed(1)
+    for _ in range(warmup_steps):
+        b = w.batch(g)
+        _sgd_step(sgd_model, sgd_opt, w, b)
+        _kfac_step(kfac_model, kfac_opt, p, w, b)
     sgd_cycles, kfac_cycles, stage_cycles = [], [], []
-    for c in range(warmup_cycles + cycles):
+    for _ in range(cycles):
         before = p.stage_times()
         s_tot = k_tot = 0.0
         for _ in range(inv_steps):
             b = w.batch(g)
             s_tot += _sgd_step(sgd_model, sgd_opt, w, b)
             k_tot += _kfac_step(kfac_model, kfac_opt, p, w, b)
-        if c >= warmup_cycles:
-            after = p.stage_times()
-            sgd_cycles.append(s_tot / inv_steps)
-            kfac_cycles.append(k_tot / inv_steps)
-            stage_cycles.append({k: (after[k] - before[k]) / inv_steps for k in STAGES})
+        after = p.stage_times()
+        sgd_cycles.append(s_tot / inv_steps)
+        kfac_cycles.append(k_tot / inv_steps)
+        stage_cycles.append({k: (after[k] - before[k]) / inv_steps for k in STAGES})
     sgd, kfac = statistics.median(sgd_cycles), statistics.median(kfac_cycles)
     stages = {k: statistics.median(s[k] for s in stage_cycles) for k in STAGES}
     return {
