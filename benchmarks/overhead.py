@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             f, k = (int(v) for v in cad.split("/"))
             print(f"measuring {name} at {cad} ...", file=sys.stderr, flush=True)
             rows.append(measure(all_workloads[name], f, k, args.cycles))
+            print(table(rows[-1:]).splitlines()[2], file=sys.stderr, flush=True)  # progress
     meta = {"torch": torch.__version__, "threads": args.threads, "device": "cpu"}
     print(table(rows))
     if args.json:
