@@ -224,8 +224,9 @@ class KFACPreconditioner:
                 self._collecting and torch.is_grad_enabled() and isinstance(output, torch.Tensor)
             ):
                 return
-            gram = layer.handler.a_gram(module, args[0].detach(), self.factor_dtype)
-            layer.a_batch.add(gram, self.factor_scaling, False, layer.handler.spatial)
+            with self._stage("factor", sync=False):
+                gram = layer.handler.a_gram(module, args[0].detach(), self.factor_dtype)
+                layer.a_batch.add(gram, self.factor_scaling, False, layer.handler.spatial)
             layer.seen_a = True
             node = output.grad_fn
             if node is not None:
