@@ -430,7 +430,11 @@ class KFACPreconditioner:
         res: Result | None = getattr(layer, f"{kind}_decomp")
         if res is None:
             res = self._empty_result(layer, kind)
-            setattr(layer, f"{kind}_decomp", res)
+        elif not all(v.is_contiguous() for v in res.values()):
+            # LAPACK returns column-major eigenvectors and collectives send storage order: an owner sends
+            # (and every receiver holds) row-major copies. Only distributed runs pay for the copy.
+            res = {k: v.contiguous() for k, v in res.items()}
+        setattr(layer, f"{kind}_decomp", res)
         return res
 
     def _empty_result(self, layer: LayerState, kind: str) -> Result:
@@ -655,7 +659,9 @@ class KFACPreconditioner:
         for kind, res in parts.items():
             template = res if res is not None else self._empty_result(layer, kind)
             out[kind] = {
-                n: self.comm.broadcast_from(v.clone(), work.grad_workers[0])
+                n: self.comm.broadcast_from(
+                    v.clone(memory_format=torch.contiguous_format), work.grad_workers[0]
+                )
                 for n, v in template.items()
             }
         return out

@@ -22,8 +22,7 @@ from ._robust import Result, run_all
 def _eigh(factor: torch.Tensor) -> Result:
     eigenvalues, q = torch.linalg.eigh(factor)
     # Factors are PSD; rounding can produce tiny negative eigenvalues (the reference clamps at 0 too).
-    # LAPACK returns column-major eigenvectors; collectives send storage order, so make them row-major.
-    return {"q": q.contiguous(), "eigenvalues": eigenvalues.clamp_(min=0.0)}
+    return {"q": q, "eigenvalues": eigenvalues.clamp_(min=0.0)}
 
 
 def decompose(
