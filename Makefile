@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 PIP_INSTALL := $(BIN)/pip install --disable-pip-version-check -q -c constraints.txt
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train test test-fast test-slow lint format bench clean
+.PHONY: help setup train test test-fast test-slow lint format bench gpu-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -37,6 +37,9 @@ test: lint $(STAMP)  ## lint, then the whole suite: fast tests and recipe smoke 
 
 bench: $(STAMP)  ## K-FAC overhead benchmark (CPU): step-time ratios K-FAC/SGD with stage breakdown
 	$(BIN)/python -m benchmarks.overhead
+
+gpu-check: $(STAMP)  ## GPU readiness check on one CUDA device (~5 min) -> gpu-report.json/.md; ARGS=--dry-run: CPU rehearsal
+	$(BIN)/python -m benchmarks.gpu_check $(ARGS)
 
 format: $(STAMP)  ## apply ruff's formatter and import sorting
 	$(BIN)/ruff check --fix kfac_bench tests benchmarks
