@@ -32,8 +32,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from kfac_bench.data.base import DataSplits
 from kfac_bench.errors import DatasetError
-from kfac_bench.train.data import DataSplits
 
 #: HDF5 datasets every shard must hold, in NVIDIA's order.
 SHARD_FIELDS: tuple[str, ...] = (

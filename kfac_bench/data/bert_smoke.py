@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
+from kfac_bench.data.base import DataSplits
 from kfac_bench.data.bert import build_bert_pretraining
 from kfac_bench.data.bert_corpus import write_pydoc_corpus
 from kfac_bench.data.bert_prepare import PrepareResult, prepare_shards
 from kfac_bench.errors import ConfigError
-from kfac_bench.train.data import DataSplits
 
 __all__ = ["build_bert_pydoc", "prepare_pydoc_shards"]
 

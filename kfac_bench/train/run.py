@@ -20,61 +20,24 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from kfac_bench.config.schema import Precision
-from kfac_bench.errors import ConfigError
+from kfac_bench.data.batching import plan_batches
+from kfac_bench.data.loader import build_loaders
 from kfac_bench.metrics import sinks, summary
 from kfac_bench.metrics.progress import Progress
 from kfac_bench.metrics.tracker import Clock, TargetTracker, Throughput
 from kfac_bench.train import checkpoint as ckpt
 from kfac_bench.train import distributed
-from kfac_bench.train.data import build, build_loaders, build_splits
+from kfac_bench.train.build import build_data, instantiate
 from kfac_bench.train.kfac_adapter import build_preconditioner
 from kfac_bench.train.loop import Loop, TrainState, train
 from kfac_bench.train.optim import build_lr_scheduler, build_optimizer, lr_factor
 from kfac_bench.train.signals import EXIT_REQUEUE, PreemptionFlag
 
-__all__ = ["EXIT_CODES", "accumulation_steps", "run"]
+__all__ = ["EXIT_CODES", "run"]
 
 #: Process exit status per run status. A diverged run is a result (status in summary.json), not a crash,
 #: so it exits 0 and a torchrun restart does not replay it.
 EXIT_CODES = {"success": 0, "target_not_reached": 0, "diverged": 0, "preempted": EXIT_REQUEUE}
-
-
-def accumulation_steps(
-    batch_size: int, world_size: int, global_batch: int | None, default: int
-) -> int:
-    """Micro-batches per optimizer step: ``global / (batch_size * world)`` if a global batch is set.
-
-    ``global_batch = batch_size * world_size * steps`` exactly (NVIDIA's BERT recipe and the paper fix the
-    global batch: 65536 in phase 1, 32768 in phase 2; e.g. local 64 on 16 GPUs gives 64 micro-steps).
-
-    Raises:
-        ConfigError: a non-positive size, or ``global_batch`` not a multiple of ``batch_size * world_size``
-            (the message names the nearest local batches that fit).
-    """
-    if global_batch is None:
-        return default
-    if min(global_batch, batch_size, world_size) < 1:
-        raise ConfigError(
-            f"batch sizes and world size must be positive, got train.global_batch_size={global_batch}, "
-            f"train.batch_size={batch_size}, world_size={world_size}"
-        )
-    per_step = batch_size * world_size
-    if global_batch % per_step == 0:
-        return global_batch // per_step
-    if global_batch % world_size:
-        raise ConfigError(
-            f"train.global_batch_size={global_batch} is not a multiple of world size {world_size}: "
-            "choose a global batch or a number of processes that divides it"
-        )
-    per_rank = global_batch // world_size
-    fits = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
-    below = max((d for d in fits if d < batch_size), default=None)
-    above = min((d for d in fits if d > batch_size), default=None)
-    options = " or ".join(str(d) for d in (below, above) if d is not None)
-    raise ConfigError(
-        f"train.global_batch_size={global_batch} is not a multiple of local batch {batch_size} x world "
-        f"size {world_size} = {per_step}: use a train.batch_size that divides {per_rank}, e.g. {options}"
-    )
 
 
 def _seed(seed: int) -> None:
@@ -124,13 +87,10 @@ def _run(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv, device: torch
     _set_threads(t.cpu_threads, device)
     run_dir.mkdir(parents=True, exist_ok=True)
     _seed(t.seed)
-    splits = build_splits(cfg.dataset)
-    task = build(cfg.task)
-    module: nn.Module = build(cfg.model).to(device)
+    splits = build_data(cfg.dataset)
+    task = instantiate(cfg.task)
+    module: nn.Module = instantiate(cfg.model).to(device)
     _seed(t.seed + env.rank)  # per-rank streams for augmentation/dropout; the model init is shared
-    accum = accumulation_steps(
-        t.batch_size, env.world_size, t.global_batch_size, t.accumulation_steps
-    )
     train_loader, eval_loader, sampler = build_loaders(
         splits,
         t.batch_size,
@@ -141,16 +101,19 @@ def _run(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv, device: torch
         pin_memory=device.type == "cuda",
         eval_batch_size=t.eval_batch_size,
     )
-    micro = sampler.num_samples // t.batch_size
-    if t.limit_train_batches is not None:
-        micro = min(micro, t.limit_train_batches)
-    micro -= micro % accum
-    steps_per_epoch = micro // accum
-    if steps_per_epoch == 0:
-        raise ConfigError(
-            f"an epoch has no optimizer step: {sampler.num_samples} examples per rank, batch_size "
-            f"{t.batch_size}, accumulation {accum}"
-        )
+    plan = plan_batches(
+        samples_per_rank=sampler.num_samples,
+        batch_size=t.batch_size,
+        world_size=env.world_size,
+        global_batch=t.global_batch_size,
+        accumulation=t.accumulation_steps,
+        limit_micro_batches=t.limit_train_batches,
+    )
+    accum, micro, steps_per_epoch = (
+        plan.accumulation_steps,
+        plan.micro_per_epoch,
+        plan.steps_per_epoch,
+    )
     max_steps = min(t.epochs * steps_per_epoch, t.max_steps or sys.maxsize)
     precision = Precision(t.precision)
     scaler = (

@@ -18,8 +18,9 @@ from omegaconf import OmegaConf
 
 from kfac_bench.config.compose import compose_run
 from kfac_bench.config.store import recipe_names
-from kfac_bench.data.fixtures import write_tiny_cifar10, write_tiny_imagenet
-from kfac_bench.train.data import build, build_splits
+from kfac_bench.data.cifar import write_tiny_cifar10
+from kfac_bench.data.imagenet import write_tiny_imagenet
+from kfac_bench.train.build import build_data, instantiate
 from kfac_bench.train.kfac_adapter import kfac_kwargs
 from kfac_bench.train.optim import build_optimizer, lr_factor
 from kfac_bench.train.run import run
@@ -229,7 +230,7 @@ def test_sgd_smoke_twin_writes_its_data_on_first_use_and_trains(
     torch.set_num_threads(1)
     root = tmp_path / "data"
     cfg = compose_run([f"+recipe={recipe}", f"dataset.root={root}", "train.tensorboard=false"])
-    splits = build_splits(cfg.dataset)  # writes the tiny set in the real format, reads it back
+    splits = build_data(cfg.dataset)  # writes the tiny set in the real format, reads it back
     assert len(splits.val) == n_val
     x = splits.train[0][0]
     assert x.dtype == torch.float32 and x.shape == (
@@ -273,7 +274,7 @@ def test_cifar10_synthetic_runs_without_data(tmp_path: Path) -> None:
 def test_imagenet_synthetic_has_the_real_shapes_and_runs(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     full = compose_run(["+recipe=resnet50_imagenet", "dataset.synthetic=true"])
-    splits = build_splits(full.dataset)
+    splits = build_data(full.dataset)
     assert (len(splits.train), len(splits.val)) == (1_281_167, 50_000)
     x, y = splits.train[0]
     assert x.shape == (3, 224, 224) and x.dtype == torch.float32 and 0 <= y < 1000
@@ -293,7 +294,9 @@ def test_imagenet_synthetic_has_the_real_shapes_and_runs(tmp_path: Path) -> None
             "train.tensorboard=false",
         ]
     )
-    assert build(cfg.model).fc.out_features == 1000  # model.num_classes follows dataset.num_classes
+    assert (
+        instantiate(cfg.model).fc.out_features == 1000
+    )  # model.num_classes follows dataset.num_classes
     assert run(cfg, tmp_path / "run") == 0
     assert _summary(tmp_path / "run")["steps"] == 2
 

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from kfac_bench.data.coco import CocoInstances, build_coco, collate_detection
+from kfac_bench.data.coco import CocoInstances, coco_split, collate_detection
 from kfac_bench.data.coco_fixtures import write_tiny_coco
 from kfac_bench.data.loader import ShardSampler
 from kfac_bench.models.maskrcnn import build_maskrcnn
@@ -84,7 +84,7 @@ def _loader(dataset: CocoInstances, **kwargs: object) -> DataLoader:
 
 @pytest.mark.parametrize("contiguous", [False, True])
 def test_ground_truth_model_scores_one(coco_root: Path, contiguous: bool) -> None:
-    dataset = build_coco(str(coco_root), SPLIT, train=False, contiguous_labels=contiguous)
+    dataset = coco_split(str(coco_root), SPLIT, train=False, contiguous_labels=contiguous)
     task = DetectionTask()
     assert isinstance(task, Task)
     model = GroundTruthModel(dataset)
@@ -95,13 +95,13 @@ def test_ground_truth_model_scores_one(coco_root: Path, contiguous: bool) -> Non
 
 
 def test_shifted_detections_score_below_one(coco_root: Path) -> None:
-    dataset = build_coco(str(coco_root), SPLIT, train=False)
+    dataset = coco_split(str(coco_root), SPLIT, train=False)
     metrics = DetectionTask().evaluate(GroundTruthModel(dataset, shift=4), _loader(dataset))
     assert 0.0 < metrics["bbox_map"] < 0.9 and 0.0 < metrics["segm_map"] < 0.9
 
 
 def test_subset_is_scored_on_its_own_images(coco_root: Path) -> None:
-    dataset = build_coco(str(coco_root), SPLIT, train=False)
+    dataset = coco_split(str(coco_root), SPLIT, train=False)
     subset = torch.utils.data.Subset(dataset, [0, 2])
     loader = DataLoader(subset, batch_size=1, collate_fn=collate_detection)
     assert DetectionTask().evaluate(GroundTruthModel(dataset), loader) == {
@@ -112,7 +112,7 @@ def test_subset_is_scored_on_its_own_images(coco_root: Path) -> None:
 
 def _five_images(root: str) -> tuple[CocoInstances, GroundTruthModel]:
     """5 images (uneven over 2 ranks) and a model that is exact on three of them and off on two."""
-    dataset = build_coco(root, SPLIT, train=False)
+    dataset = coco_split(root, SPLIT, train=False)
     dataset.ids = dataset.ids[:5]
     return dataset, GroundTruthModel(dataset, shift=3, shifted_ids={dataset.ids[0], dataset.ids[3]})
 
@@ -176,8 +176,8 @@ def test_real_maskrcnn_trains_and_evaluates(
 ) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    train_set = build_coco(str(coco_root), "train2017", train=True)
-    eval_set = build_coco(str(coco_root), SPLIT, train=False)
+    train_set = coco_split(str(coco_root), "train2017", train=True)
+    eval_set = coco_split(str(coco_root), SPLIT, train=False)
     model = build_maskrcnn(
         num_classes=train_set.num_classes,
         min_size=64,
