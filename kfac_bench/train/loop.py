@@ -14,31 +14,17 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from kfac_bench.metrics.tracker import Clock, TargetTracker, Throughput
+from kfac_bench.metrics.tracker import TargetTracker
+from kfac_bench.train.state import TrainState
 
-__all__ = ["Loop", "TrainState", "optimizer_step", "train"]
-
-
-@dataclass
-class TrainState:
-    """Progress that a checkpoint restores. ``micro_in_epoch`` counts this rank's consumed micro-batches
-    of the current epoch (the sampler skips them on resume)."""
-
-    epoch: int = 0
-    step: int = 0
-    micro_in_epoch: int = 0
-    samples: int = 0
-    wall: Clock = field(default_factory=Clock)
-    train_clock: Clock = field(default_factory=Clock)
-    throughput: Throughput = field(default_factory=Throughput)
-    last_eval_step: int = -1
+__all__ = ["Loop", "optimizer_step", "train"]
 
 
 @dataclass

@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
@@ -24,14 +23,20 @@ from kfac_bench.data.batching import plan_batches
 from kfac_bench.data.loader import build_loaders
 from kfac_bench.metrics import sinks, summary
 from kfac_bench.metrics.progress import Progress
-from kfac_bench.metrics.tracker import Clock, TargetTracker, Throughput
-from kfac_bench.train import checkpoint as ckpt
+from kfac_bench.metrics.tracker import StageTimes, TargetTracker
 from kfac_bench.train import distributed
 from kfac_bench.train.build import build_data, instantiate
+from kfac_bench.train.checkpoint import (
+    CHECKPOINT_DIR,
+    CheckpointManager,
+    PreconditionerState,
+    RNGState,
+)
 from kfac_bench.train.kfac_adapter import build_preconditioner
-from kfac_bench.train.loop import Loop, TrainState, train
+from kfac_bench.train.loop import Loop, train
 from kfac_bench.train.optim import build_lr_scheduler, build_optimizer, lr_factor
 from kfac_bench.train.signals import EXIT_REQUEUE, PreemptionFlag
+from kfac_bench.train.state import TrainState
 
 __all__ = ["EXIT_CODES", "run"]
 
@@ -59,14 +64,6 @@ def _autocast(device: torch.device, precision: Precision) -> Any:
         return contextlib.nullcontext
     dtype = torch.bfloat16 if precision is Precision.bf16 else torch.float16
     return functools.partial(torch.autocast, device_type="cuda", dtype=dtype)
-
-
-def _stage_times(precond: Any, offset: dict[str, float]) -> dict[str, float]:
-    current = (
-        precond.stage_times() if precond is not None and hasattr(precond, "stage_times") else {}
-    )
-    keys = set(offset) | set(current)
-    return {k: offset.get(k, 0.0) + float(current.get(k, 0.0)) for k in sorted(keys)}
 
 
 def run(cfg: DictConfig, run_dir: Path) -> int:
@@ -140,35 +137,27 @@ def _run(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv, device: torch
             device_ids=[device] if device.type == "cuda" else None,
             find_unused_parameters=t.find_unused_parameters,
         )
-    state = TrainState()
+    state = TrainState(world_size=env.world_size)
     tracker = TargetTracker(dict(t.targets), task.target_metric, bool(task.higher_is_better))
-    stage_offset: dict[str, float] = {}
-    path = ckpt.checkpoint_path(run_dir)
-    saved = ckpt.load(path) if t.resume else None
-    if saved is not None:
-        module.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        if scaler is not None and saved.get("scaler"):
-            scaler.load_state_dict(saved["scaler"])
-        if precond is not None and saved.get("precond") is not None:
-            precond.load_state_dict(saved["precond"])
-        s = saved["state"]
-        same_world = saved["world_size"] == env.world_size
-        state = TrainState(
-            epoch=s["epoch"],
-            step=s["step"],
-            micro_in_epoch=s["micro_in_epoch"] if same_world else 0,
-            samples=s["samples"],
-            wall=Clock(s["wall_time_s"]),
-            train_clock=Clock(s["train_time_s"]),
-            throughput=Throughput(**s["throughput"]),
-            last_eval_step=s["last_eval_step"],
-        )
-        tracker.load_state_dict(saved["tracker"])
-        stage_offset = saved.get("kfac_stage_times", {})
-        rngs = saved["rng"]
-        ckpt.set_rng_state(rngs[env.rank] if same_world else rngs[0])
+    stages = StageTimes(precond)
+    checkpoints = CheckpointManager(
+        run_dir / CHECKPOINT_DIR,
+        {
+            "model": module,
+            "optimizer": optimizer,
+            "scheduler": scheduler,
+            "scaler": scaler,
+            "precond": PreconditionerState(precond) if precond is not None else None,
+            "train_state": state,
+            "tracker": tracker,
+            "stage_times": stages,
+            "rng": RNGState(
+                env.rank, env.world_size
+            ),  # last: nothing may draw after it is restored
+        },
+        is_main=main,
+    )
+    resumed = checkpoints.load() if t.resume else False
 
     jsonl = sinks.JsonlSink(run_dir / sinks.EVAL_FILE) if main else None
     tb = sinks.TensorBoardSink(run_dir / "tb") if main and t.tensorboard else None
@@ -183,14 +172,15 @@ def _run(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv, device: torch
         print(
             f"kfac-bench: run dir {run_dir} | world {env.world_size} on {device} | "
             f"kfac {'on' if precond is not None else 'off'} | {steps_per_epoch} steps/epoch, "
-            f"global batch {global_batch}" + (f" | resumed at step {state.step}" if saved else ""),
+            f"global batch {global_batch}"
+            + (f" | resumed at step {state.step}" if resumed else ""),
             flush=True,
         )
     if mlperf:
-        mlperf.run_start(global_batch, resumed=saved is not None)
+        mlperf.run_start(global_batch, resumed=resumed)
     progress = Progress(str(t.progress.value), max_steps, t.log_every_steps, enabled=main)
     window = {"loss": 0.0, "n": 0, "t": time.perf_counter(), "samples": state.samples}
-    stage_prev = _stage_times(precond, stage_offset)
+    stage_prev = stages.totals()
     last_metric: dict[str, float] = {}
 
     def on_log(stats: dict[str, Any]) -> None:
@@ -209,10 +199,10 @@ def _run(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv, device: torch
         if tb is not None:
             scalars = {"train/loss": loss, "train/lr": stats["lr"], "train/samples_per_s": rate}
             nonlocal stage_prev
-            stages = _stage_times(precond, stage_offset)
-            for k, v in stages.items():
+            totals = stages.totals()
+            for k, v in totals.items():
                 scalars[f"kfac/{k}_s_per_step"] = (v - stage_prev.get(k, 0.0)) / window["n"]
-            stage_prev = stages
+            stage_prev = totals
             tb.scalars(scalars, state.step)
         window.update(loss=0.0, n=0, t=now, samples=state.samples)
 
@@ -239,45 +229,6 @@ def _run(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv, device: torch
                 record["samples"],
             )
 
-    def save() -> None:
-        rng = ckpt.rng_state()
-        rngs: list[Any] = [None] * env.world_size
-        if env.distributed:
-            dist.all_gather_object(rngs, rng)
-        else:
-            rngs = [rng]
-        # Collective under torch.distributed (the engine gathers decompositions): every rank calls it.
-        precond_state = (
-            precond.state_dict(include_decompositions=True) if precond is not None else None
-        )
-        if main:
-            ckpt.save_atomic(
-                {
-                    "model": module.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "scaler": scaler.state_dict() if scaler is not None else None,
-                    "precond": precond_state,
-                    "state": {
-                        "epoch": state.epoch,
-                        "step": state.step,
-                        "micro_in_epoch": state.micro_in_epoch,
-                        "samples": state.samples,
-                        "wall_time_s": state.wall.elapsed,
-                        "train_time_s": state.train_clock.elapsed,
-                        "last_eval_step": state.last_eval_step,
-                        "throughput": vars(state.throughput),
-                    },
-                    "tracker": tracker.state_dict(),
-                    "kfac_stage_times": _stage_times(precond, stage_offset),
-                    "rng": rngs,
-                    "world_size": env.world_size,
-                },
-                path,
-            )
-        if env.distributed:
-            dist.barrier()
-
     preempt = PreemptionFlag().install()
     loop = Loop(
         model=model,
@@ -303,7 +254,7 @@ def _run(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv, device: torch
         preempt=preempt,
         on_eval=on_eval,
         on_log=on_log,
-        checkpoint=save,
+        checkpoint=lambda: checkpoints.save(state.step),
         grad_clip_norm=t.grad_clip_norm,
         eval_every_epochs=t.eval_every_epochs,
         eval_every_steps=t.eval_every_steps,
@@ -320,7 +271,7 @@ def _run(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv, device: torch
     state.wall.stop()
     if main:
         result = _summary(
-            cfg, status, state, tracker, precond, stage_offset, env, device, steps_per_epoch
+            cfg, status, state, tracker, precond, stages, env, device, steps_per_epoch
         )
         summary.write_summary(run_dir, result)
         _report(result, run_dir)
@@ -338,13 +289,13 @@ def _summary(
     state: TrainState,
     tracker: TargetTracker,
     precond: Any,
-    stage_offset: dict[str, float],
+    stages: StageTimes,
     env: distributed.DistEnv,
     device: torch.device,
     steps_per_epoch: int,
 ) -> dict[str, Any]:
     reached = tracker.reached
-    stages = _stage_times(precond, stage_offset)
+    totals = stages.totals()
     train_s = state.train_clock.elapsed
     return {
         "name": cfg.name,
@@ -369,8 +320,8 @@ def _summary(
         "mean_step_time_s": state.throughput.mean_step_time_s,
         "samples_per_s": state.throughput.samples_per_s,
         "kfac_enabled": precond is not None,
-        "kfac_stage_times_s": stages,
-        "kfac_time_fraction": (sum(stages.values()) / train_s) if stages and train_s > 0 else None,
+        "kfac_stage_times_s": totals,
+        "kfac_time_fraction": (sum(totals.values()) / train_s) if totals and train_s > 0 else None,
         "kfac_memory_bytes": precond.memory_usage()
         if precond is not None and hasattr(precond, "memory_usage")
         else None,
