@@ -265,7 +265,8 @@ def build_coco(
     COCO's training and evaluation sets are different annotation files, so both splits come from one
     config: ``train_split``/``val_split`` name them (``train2017``/``val2017``; the MLPerf 2014 layout's
     evaluation split is ``minival2014`` with ``val_image_dir=val2014``), ``*_image_dir`` name image folders
-    not named after their split. Batches are ``(list of images, list of targets)`` (:func:`collate_detection`).
+    not named after their split. Batches are ``(list of images, list of targets)``
+    (:func:`collate_detection`).
 
     Raises:
         DatasetError: a split's annotation file or image folder is missing (before any training work).

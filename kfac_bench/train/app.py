@@ -167,6 +167,6 @@ def _job(cfg: object, run_dir: Path, overrides: list[str]) -> int:
             launcher.max_restarts,
             launcher.monitor_interval,
         )
-    from kfac_bench.train.run import run
+    from kfac_bench.train.run import train
 
-    return run(cfg, run_dir)  # type: ignore[arg-type]
+    return train(cfg, run_dir)  # type: ignore[arg-type]

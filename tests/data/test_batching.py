@@ -51,7 +51,11 @@ def test_plan_counts_whole_optimizer_steps_per_epoch() -> None:
     cut = plan_batches(samples_per_rank=719, batch_size=32, world_size=2, limit_micro_batches=7)
     assert (cut.micro_per_epoch, cut.steps_per_epoch) == (7, 7)
     derived = plan_batches(samples_per_rank=100, batch_size=8, world_size=1, global_batch=16)
-    assert (derived.accumulation_steps, derived.micro_per_epoch, derived.steps_per_epoch) == (2, 12, 6)
+    assert (derived.accumulation_steps, derived.micro_per_epoch, derived.steps_per_epoch) == (
+        2,
+        12,
+        6,
+    )
 
 
 def test_an_epoch_without_a_step_is_a_config_error() -> None:

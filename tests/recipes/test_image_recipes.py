@@ -23,7 +23,7 @@ from kfac_bench.data.imagenet import write_tiny_imagenet
 from kfac_bench.train.build import build_data, instantiate
 from kfac_bench.train.kfac_adapter import kfac_kwargs
 from kfac_bench.train.optim import build_optimizer, lr_factor
-from kfac_bench.train.run import run
+from kfac_bench.train.run import train
 from tests.harness.util import run_cli
 
 CIFAR_ARMS = ("resnet32_cifar10", "resnet32_cifar10_sgd")
@@ -240,7 +240,7 @@ def test_sgd_smoke_twin_writes_its_data_on_first_use_and_trains(
         assert (root / "cifar-10-batches-py" / "data_batch_5").is_file()
     else:
         assert len(list((root / "val").glob("*/*.JPEG"))) == n_val
-    assert run(cfg, tmp_path / "run") == 0
+    assert train(cfg, tmp_path / "run") == 0
     s = _summary(tmp_path / "run")
     assert s["kfac_enabled"] is False and s["steps"] == steps
     assert s["status"] == "target_not_reached"
@@ -266,7 +266,7 @@ def test_cifar10_synthetic_runs_without_data(tmp_path: Path) -> None:
             "kfac.inv_update_steps=1",
         ]
     )
-    assert run(cfg, tmp_path / "run") == 0
+    assert train(cfg, tmp_path / "run") == 0
     s = _summary(tmp_path / "run")
     assert s["steps"] == 2 and s["kfac_enabled"] is True and s["samples_per_s"] > 0
 
@@ -297,7 +297,7 @@ def test_imagenet_synthetic_has_the_real_shapes_and_runs(tmp_path: Path) -> None
     assert (
         instantiate(cfg.model).fc.out_features == 1000
     )  # model.num_classes follows dataset.num_classes
-    assert run(cfg, tmp_path / "run") == 0
+    assert train(cfg, tmp_path / "run") == 0
     assert _summary(tmp_path / "run")["steps"] == 2
 
 

@@ -17,14 +17,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 from kfac_bench.data.coco import CocoInstances, coco_split, collate_detection
 from kfac_bench.data.coco_fixtures import write_tiny_coco
 from kfac_bench.data.loader import ShardSampler
+from kfac_bench.errors import ConfigError
+from kfac_bench.metrics.tracker import TargetTracker
 from kfac_bench.models.maskrcnn import build_maskrcnn
 from kfac_bench.tasks.base import Task
-from kfac_bench.tasks.detection import (
-    MLPERF_TARGETS,
-    PAPER_TARGETS,
-    DetectionTask,
-    targets_met,
-)
+from kfac_bench.tasks.detection import MLPERF_TARGETS, PAPER_TARGETS, DetectionTask
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:pycocotools.*")
 SPLIT = "val2017"
@@ -224,12 +221,21 @@ def test_real_maskrcnn_trains_and_evaluates(
     assert model.training
 
 
-def test_targets_met_needs_every_target() -> None:
+def test_the_runs_tracker_needs_every_detection_target() -> None:
     assert PAPER_TARGETS == {"bbox_map": 0.377, "segm_map": 0.342}
     assert MLPERF_TARGETS == {"bbox_map": 0.377, "segm_map": 0.339}
-    assert targets_met({"bbox_map": 0.38, "segm_map": 0.35}, PAPER_TARGETS)
-    assert not targets_met({"bbox_map": 0.38, "segm_map": 0.340}, PAPER_TARGETS)
-    assert targets_met({"bbox_map": 0.38, "segm_map": 0.340}, MLPERF_TARGETS)
-    assert not targets_met({"bbox_map": 0.376, "segm_map": 0.35}, PAPER_TARGETS)
-    assert not targets_met({"bbox_map": 0.9}, PAPER_TARGETS)
-    assert DetectionTask(targets=MLPERF_TARGETS).targets_met({"bbox_map": 0.377, "segm_map": 0.339})
+    task = DetectionTask()
+    paper = TargetTracker(PAPER_TARGETS, task.target_metric, task.higher_is_better)
+    mlperf = TargetTracker(MLPERF_TARGETS, task.target_metric, task.higher_is_better)
+    assert paper.met({"bbox_map": 0.38, "segm_map": 0.35})
+    assert not paper.met({"bbox_map": 0.38, "segm_map": 0.340})
+    assert mlperf.met({"bbox_map": 0.38, "segm_map": 0.340})
+    assert not paper.met({"bbox_map": 0.376, "segm_map": 0.35})
+    assert not paper.met({"bbox_map": 0.9})
+    assert mlperf.met({"bbox_map": 0.377, "segm_map": 0.339})  # a target is met at equality
+
+
+def test_a_target_on_a_metric_detection_does_not_report_fails_at_once() -> None:
+    assert DetectionTask(targets=MLPERF_TARGETS).targets == MLPERF_TARGETS
+    with pytest.raises(ConfigError, match=r"bbox_mAP.*use bbox_map and/or segm_map"):
+        DetectionTask(targets={"bbox_mAP": 0.377})

@@ -12,7 +12,7 @@ import torch
 
 from kfac_bench.metrics.sinks import read_jsonl
 from kfac_bench.train.checkpoint import CHECKPOINT_DIR, CheckpointManager
-from kfac_bench.train.run import run
+from kfac_bench.train.run import train
 from tests.harness.util import tiny_cfg
 
 
@@ -23,7 +23,7 @@ def _saved(run_dir: Path) -> dict:
 
 
 def _train(tmp: Path, *overrides: str) -> dict:
-    assert run(tiny_cfg(*overrides), tmp) == 0
+    assert train(tiny_cfg(*overrides), tmp) == 0
     return json.loads((tmp / "summary.json").read_text())
 
 
