@@ -65,7 +65,7 @@ def prepare_pydoc_shards(
 
 
 def build_bert_pydoc(
-    root: str,
+    root: str = "data/bert_pydoc",
     vocab_size: int = 2000,
     max_seq_length: int = 128,
     max_predictions_per_seq: int = 20,
