@@ -2,7 +2,8 @@
 twins train the tiny BERT on real HDF5 shards through the real ``kfac-bench`` CLI (LAMB, K-FAC, and a phase-2
 run that starts from a phase-1 checkpoint). ``kfac-bench prepare-bert`` writes shards the reader accepts.
 
-The expected values below are typed from PAPER.md §3.7 and issue 7, never read from the YAML.
+The expected values below are typed from TPDS §6.3.3 (and gpauloski/BERT-PyTorch's phase configs), never
+read from the YAML.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from kfac_bench.train.kfac_adapter import build_preconditioner
 from kfac_bench.train.optim import lr_factor
 from tests.harness.util import run_cli
 
-# PAPER.md §3.7 / issue 7: (sequence length, predictions per sequence, steps, global batch, LR, warm-up).
+# TPDS §6.3.3: (sequence length, predictions per sequence, steps, global batch, LR, warm-up).
 PHASES = {
     1: (128, 20, 7038, 65536, 6e-3, 0.2843),
     2: (512, 80, 1563, 32768, 4e-3, 0.128),

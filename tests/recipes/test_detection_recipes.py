@@ -2,7 +2,7 @@
 exactly the box and mask heads, and the smoke twins train on a tiny real-format COCO set through the
 real ``kfac-bench`` CLI and score it with COCOeval.
 
-The expected values below are typed from PAPER.md §3.6 / §3.8 (S3 Table 2) and issue 6, never read
+The expected values below are typed from TPDS §6.3.2 and KAISA §5.3 / Table 2, never read
 from the YAML.
 """
 
@@ -28,10 +28,11 @@ from kfac_bench.train.kfac_adapter import build_preconditioner
 from kfac_bench.train.optim import lr_factor
 from tests.harness.util import run_cli
 
-# S3 Table 2 (the KAISA runs, 32 V100): global batch, LR, warm-up iterations, K_freq, F_freq.
+# KAISA Table 2 (the KAISA runs, 32 V100): global batch, LR, warm-up iterations, K_freq, F_freq.
 BATCH, LR, WARMUP, K_FREQ, F_FREQ = 64, 0.08, 800, 500, 50
 PAPER_GPUS = 32
-# C6's 64-GPU config: batch, LR, warm-up, decay steps, iterations.
+# The 64-GPU config of the authors' K-FAC fork of NVIDIA DeepLearningExamples
+# PyTorch/Segmentation/MaskRCNN: batch, LR, warm-up, decay steps, iterations.
 BATCH_64, LR_64, WARMUP_64, STEPS_64, MAX_ITER_64 = 128, 0.16, 800, (7000, 11000), 12000
 TARGETS = {"bbox_map": 0.377, "segm_map": 0.342}
 MLPERF_SEGM = 0.339

@@ -1,6 +1,6 @@
 """Image recipes (issue 5): ResNet-32 / CIFAR-10 and ResNet-50 / ImageNet, both arms.
 
-The composed configs carry the paper's numbers (typed below from PAPER.md §3.2-3.5 and issue 5, never read
+The composed configs carry the paper's numbers (typed below from SC20 §VI-C1/C3 and TPDS §6.3.1, never read
 from the YAML); the smoke twins train on tiny sets in the real on-disk formats (pickled CIFAR batches, a
 class-folder tree of JPEG files) through the real reader, loader and loop (the K-FAC arms through the
 ``kfac-bench`` CLI); ``dataset.synthetic=true`` runs without data; a missing or malformed dataset directory
@@ -29,17 +29,17 @@ from tests.harness.util import run_cli
 CIFAR_ARMS = ("resnet32_cifar10", "resnet32_cifar10_sgd")
 IMAGENET_ARMS = ("resnet50_imagenet", "resnet50_imagenet_sgd")
 
-# PAPER.md §3.2 / issue 5: ResNet-32 on CIFAR-10.
+# SC20 §VI-C1 (= TPDS §6.3.1): ResNet-32 on CIFAR-10.
 CIFAR_BATCH, CIFAR_LR, CIFAR_WARMUP = 128, 0.1, 5
 CIFAR_KFAC_EPOCHS, CIFAR_KFAC_DECAY = 100, [35, 75, 90]
 CIFAR_SGD_EPOCHS, CIFAR_SGD_DECAY = 200, [100, 150]
 CIFAR_TARGET = 0.9249
-# PAPER.md §3.3-3.5 / issue 5: ResNet-50 on ImageNet.
+# SC20 §VI-C1 and §VI-C3: ResNet-50 on ImageNet.
 IMAGENET_BATCH, IMAGENET_LR, IMAGENET_WARMUP = 32, 0.0125, 5
 IMAGENET_KFAC_EPOCHS, IMAGENET_KFAC_DECAY = 55, [25, 35, 40, 45, 50]
 IMAGENET_SGD_EPOCHS, IMAGENET_SGD_DECAY = 90, [30, 60, 80]
 IMAGENET_TARGET = 0.759
-# §3.5: eigendecomposition interval per GPU count in the scaling runs.
+# SC20 §VI-C3, Figs. 7-9: eigendecomposition interval per GPU count in the scaling runs.
 PAPER_INTERVALS = {16: 2000, 32: 1000, 64: 500, 128: 250, 256: 125}
 
 
@@ -145,7 +145,7 @@ def test_imagenet_kfac_keeps_updates_per_epoch_constant_like_the_paper() -> None
         factor, inv = _intervals(k, gpus)
         assert inv == interval
         assert factor == pytest.approx(interval / 10, abs=0.5)  # factors 10x as often
-    # 64 GPUs: KAISA's ResNet-50 F_freq / K_freq (S3 Table 2) and §3.4's chosen interval.
+    # 64 GPUs: KAISA's ResNet-50 F_freq / K_freq (KAISA Table 2) and SC20 Table III's chosen interval.
     assert _intervals(k, 64) == (50, 500)
 
 
