@@ -3,7 +3,7 @@
 Every YAML in ``configs/<group>/`` names its schema first in its defaults list, so a misspelt key or a value
 of the wrong type fails when the config is composed, naming the key. Closed choices are enums whose member
 names are their lower-case values (OmegaConf parses enums by name), so YAML and the command line use the
-plain strings (``compute_method=inverse``).
+plain strings (``compute_method=inverse``); the K-FAC ones are derived from the engine's enums.
 
 Names follow the paper's vocabulary (STYLE.md guideline 13): the K-FAC fields that the engine takes are
 spelled exactly like :class:`kfac_bench.kfac.KFACPreconditioner`'s keyword arguments; a test keeps them in
@@ -18,6 +18,8 @@ from enum import Enum
 from typing import Any, Dict, List
 
 from omegaconf import MISSING
+
+from kfac_bench import kfac
 
 
 class OptimizerName(str, Enum):
@@ -41,29 +43,20 @@ class ScheduleUnit(str, Enum):
     fraction = "fraction"
 
 
-class ComputeMethod(str, Enum):
-    eigen = "eigen"
-    inverse = "inverse"
+def _by_value(engine_enum: type[Enum]) -> type[Enum]:
+    """The config twin of an engine enum, built from its values: member names *are* the values, so YAML and
+    the command line use the engine's strings (OmegaConf parses enums by member name, the engine's members
+    are upper-case). A choice the engine adds is a choice of the config at once."""
+    members = {m.value: m.value for m in engine_enum}
+    return Enum(engine_enum.__name__, members, type=str, module=__name__)  # type: ignore[return-value]
 
 
-class FactorScaling(str, Enum):
-    per_example = "per_example"
-    kaisa = "kaisa"
-
-
-class AssignmentStrategy(str, Enum):
-    compute = "compute"
-    memory = "memory"
-
-
-class Placement(str, Enum):
-    lpt = "lpt"
-    round_robin = "round_robin"
-
-
-class FactorReduction(str, Enum):
-    allreduce = "allreduce"
-    reduce = "reduce"
+#: K-FAC's closed choices, one source: :mod:`kfac_bench.kfac`'s enums.
+ComputeMethod = _by_value(kfac.ComputeMethod)
+FactorScaling = _by_value(kfac.FactorScaling)
+AssignmentStrategy = _by_value(kfac.AssignmentStrategy)
+Placement = _by_value(kfac.Placement)
+FactorReduction = _by_value(kfac.FactorReduction)
 
 
 class Precision(str, Enum):

@@ -32,8 +32,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from kfac_bench.data.base import DataSplits
 from kfac_bench.errors import DatasetError
-from kfac_bench.train.data import DataSplits
 
 #: HDF5 datasets every shard must hold, in NVIDIA's order.
 SHARD_FIELDS: tuple[str, ...] = (
@@ -232,7 +232,9 @@ def example_from_arrays(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor
     }
 
 
-def build_bert_pretraining(root: str, heldout_root: str | None = None) -> DataSplits:
+def build_bert_pretraining(
+    root: str = "data/bert/phase1", heldout_root: str | None = None
+) -> DataSplits:
     """Dataset builder (``dataset._target_``): training and held-out shards of a prepared directory.
 
     Both datasets hold all examples (``shard_by_rank=False``): the training loop's samplers split them

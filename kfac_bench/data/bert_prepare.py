@@ -1,4 +1,4 @@
-"""Build NVIDIA-format BERT pretraining shards from plain text (``kfac-bench prepare-bert``).
+"""Build NVIDIA-format BERT pretraining shards from plain text (behind ``kfac-bench prepare-bert``).
 
 Input text follows Google's ``create_pretraining_data.py`` convention: one sentence per line, documents
 separated by blank lines. The steps, each as in Google's/NVIDIA's script so that shards are
@@ -24,7 +24,6 @@ text shard (as NVIDIA does) with the same ``--vocab-file`` and different seeds.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import random
@@ -37,7 +36,6 @@ import numpy as np
 
 from kfac_bench.data.bert import HELDOUT_SUBDIR, list_shards
 from kfac_bench.data.bert_corpus import (
-    VOCAB_TRAINERS,
     Document,
     Vocab,
     load_tokenizer,
@@ -372,85 +370,3 @@ def _old_shards(out: Path, overwrite: bool) -> list[Path]:
             f"{out} already holds {len(old)} shard files: pass --overwrite or use a new --output-dir"
         )
     return old
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kfac-bench prepare-bert",
-        description="Build NVIDIA-format BERT pretraining shards (HDF5) from plain text: one sentence "
-        "per line, documents separated by blank lines. Paper phases: --max-seq-length 128 "
-        "--max-predictions-per-seq 20 (phase 1), 512 / 80 (phase 2).",
-    )
-    p.add_argument("--input", nargs="+", required=True, metavar="FILE", help="text files")
-    p.add_argument("--output-dir", required=True, help="directory for the .hdf5 shards")
-    vocab = p.add_mutually_exclusive_group()
-    vocab.add_argument(
-        "--vocab-file", help="existing WordPiece vocab.txt (e.g. bert-large-uncased)"
-    )
-    vocab.add_argument(
-        "--vocab-size",
-        type=int,
-        default=30522,
-        help="make a vocabulary of at most this size from the input, saved as OUTPUT/vocab.txt",
-    )
-    p.add_argument(
-        "--vocab-trainer",
-        choices=VOCAB_TRAINERS,
-        default="wordpiece",
-        help="how --vocab-size builds the vocabulary: tokenizers' WordPiece trainer, or the "
-        "deterministic frequency list (whole words + characters)",
-    )
-    p.add_argument("--max-seq-length", type=int, default=128)
-    p.add_argument("--max-predictions-per-seq", type=int, default=20)
-    p.add_argument("--masked-lm-prob", type=float, default=0.15)
-    p.add_argument("--short-seq-prob", type=float, default=0.1)
-    p.add_argument("--dupe-factor", type=int, default=5, help="passes over the corpus")
-    p.add_argument("--num-shards", type=int, default=1)
-    p.add_argument(
-        "--heldout-fraction", type=float, default=0.0, help="of documents -> OUTPUT/heldout"
-    )
-    p.add_argument("--heldout-shards", type=int, default=1)
-    p.add_argument("--seed", type=int, default=12345)
-    p.add_argument("--cased", action="store_true", help="keep case (default: uncased, lowercase)")
-    p.add_argument("--overwrite", action="store_true", help="replace shards already in OUTPUT")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``kfac-bench prepare-bert`` entry point; prints the files written. Returns the exit status."""
-    args = _parser().parse_args(argv)
-    result = prepare_shards(
-        args.input,
-        args.output_dir,
-        vocab_file=args.vocab_file,
-        vocab_size=args.vocab_size,
-        max_seq_length=args.max_seq_length,
-        max_predictions_per_seq=args.max_predictions_per_seq,
-        masked_lm_prob=args.masked_lm_prob,
-        short_seq_prob=args.short_seq_prob,
-        dupe_factor=args.dupe_factor,
-        num_shards=args.num_shards,
-        seed=args.seed,
-        heldout_fraction=args.heldout_fraction,
-        heldout_shards=args.heldout_shards,
-        lowercase=not args.cased,
-        vocab_trainer=args.vocab_trainer,
-        overwrite=args.overwrite,
-    )
-    print(
-        f"wrote {result.num_examples} training examples "
-        f"(max_seq_length={args.max_seq_length}, "
-        f"max_predictions_per_seq={args.max_predictions_per_seq}) to {len(result.shards)} shards:"
-    )
-    for path in result.shards:
-        print(f"  {path}")
-    if result.heldout_shards:
-        print(f"wrote {result.num_heldout_examples} held-out examples:")
-        for path in result.heldout_shards:
-            print(f"  {path}")
-    print(f"vocabulary: {result.vocab_file} ({result.vocab_size} tokens; model vocab_size >= this)")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

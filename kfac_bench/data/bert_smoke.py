@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
+from kfac_bench.data.base import DataSplits
 from kfac_bench.data.bert import build_bert_pretraining
 from kfac_bench.data.bert_corpus import write_pydoc_corpus
 from kfac_bench.data.bert_prepare import PrepareResult, prepare_shards
 from kfac_bench.errors import ConfigError
-from kfac_bench.train.data import DataSplits
 
 __all__ = ["build_bert_pydoc", "prepare_pydoc_shards"]
 
@@ -65,7 +65,7 @@ def prepare_pydoc_shards(
 
 
 def build_bert_pydoc(
-    root: str,
+    root: str = "data/bert_pydoc",
     vocab_size: int = 2000,
     max_seq_length: int = 128,
     max_predictions_per_seq: int = 20,

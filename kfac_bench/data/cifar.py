@@ -1,4 +1,5 @@
-"""CIFAR-10 from the standard python-pickle release (``cifar-10-batches-py``), or synthetic.
+"""CIFAR-10 from the standard python-pickle release (``cifar-10-batches-py``), or synthetic; and a writer
+of tiny sets in the same format for tests and smoke runs.
 
 The reader is our own rather than ``torchvision.datasets.CIFAR10(download=False)``: torchvision
 checks the md5 of every batch file against the official release, so it rejects any other file in
@@ -12,24 +13,31 @@ constructors the release uses.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
+import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from kfac_bench.data.synthetic import SyntheticImages
+from kfac_bench.data.base import DataSplits
+from kfac_bench.data.synthetic import SyntheticImages, class_colour_images
 from kfac_bench.data.transforms import cifar10_transform
 from kfac_bench.errors import DatasetError
 
 __all__ = [
     "CIFAR10_DIRNAME",
+    "CIFAR10_LABEL_NAMES",
     "CIFAR10Pickle",
     "build_cifar10",
+    "build_tiny_cifar10",
+    "cifar10_split",
     "read_cifar10_split",
+    "write_tiny_cifar10",
 ]
 
 CIFAR10_DIRNAME = "cifar-10-batches-py"
@@ -180,15 +188,15 @@ class CIFAR10Pickle(Dataset[tuple[torch.Tensor, int]]):
         return image, self.targets[index]
 
 
-def build_cifar10(
-    root: str | os.PathLike[str] | None = None,
+def cifar10_split(
+    root: str | os.PathLike[str] | None,
     train: bool = True,
     augment: bool = True,
     synthetic: bool = False,
     synthetic_length: int | None = None,
     seed: int = 0,
 ) -> Dataset[tuple[torch.Tensor, int]]:
-    """Build one split of CIFAR-10 (Hydra ``_target_``).
+    """One split of CIFAR-10.
 
     Items are ``(image, label)``: float32 ``(3, 32, 32)`` normalised with the CIFAR-10 mean/std and
     an int in ``[0, 10)``. The train split with ``augment`` applies RandomCrop(32, padding=4) and
@@ -211,3 +219,126 @@ def build_cifar10(
     if root is None or str(root) == "":
         raise DatasetError("<unset dataset.root>", EXPECTED_LAYOUT, HOW_TO_GET)
     return CIFAR10Pickle(root, train=train, transform=cifar10_transform(train, augment))
+
+
+def build_cifar10(
+    root: str | None = "data/cifar10",
+    augment: bool = True,
+    synthetic: bool = False,
+    synthetic_length: int | None = None,
+    seed: int = 0,
+) -> DataSplits:
+    """Dataset builder (``dataset=cifar10``): the 50,000 training and 10,000 test images of ``root``, or
+    random tensors of the same shapes with ``synthetic`` (see :func:`cifar10_split` for the arguments)."""
+    train = cifar10_split(root, True, augment, synthetic, synthetic_length, seed)
+    return DataSplits(train, cifar10_split(root, False, augment, synthetic, synthetic_length, seed))
+
+
+def build_tiny_cifar10(
+    root: str = "data/cifar10_tiny", n_train: int = 200, n_test: int = 50, seed: int = 0
+) -> DataSplits:
+    """Dataset builder (``dataset=cifar10_tiny``) of the smoke recipes: a tiny CIFAR-10 in the release
+    format, written to ``root`` by :func:`write_tiny_cifar10` unless it already holds ``batches.meta``,
+    then read like the real release (augmentation on the train split). Items: float32 ``(3, 32, 32)``,
+    label in ``[0, 10)``."""
+    if not (Path(root) / CIFAR10_DIRNAME / META_FILE).is_file():
+        write_tiny_cifar10(root, n_train=n_train, n_test=n_test, seed=seed)
+    return build_cifar10(root)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Writer of tiny sets in the release format (tests and smoke recipes)
+
+CIFAR10_LABEL_NAMES = (
+    "airplane",
+    "automobile",
+    "bird",
+    "cat",
+    "deer",
+    "dog",
+    "frog",
+    "horse",
+    "ship",
+    "truck",
+)
+
+# The pure-Python pickler: unlike the C one, its per-type dispatch table can be extended.
+_PurePickler: Any = pickle._Pickler
+
+
+class _Py2StylePickler(_PurePickler):
+    """Pickler that writes ``bytes`` and ``str`` as Python 2 ``str`` opcodes, as in the release.
+
+    The CIFAR-10 files were written by Python 2, so every string in them (dict keys, numpy's dtype
+    arguments and raw array data) is a py2 ``str``, which Python 3 readers decode with
+    ``encoding="bytes"`` (the CIFAR page's recipe) or ``"latin1"`` (torchvision). Python 3 would
+    write bytes as calls to ``_codecs.encode`` and str as unicode; writing the py2 opcodes instead
+    makes the fixture exercise the same decoding paths as the real files.
+    """
+
+    dispatch: ClassVar[dict[type, Any]] = dict(_PurePickler.dispatch)
+
+    def _save_py2_str(self, obj: bytes) -> None:
+        if len(obj) < 256:
+            self.write(pickle.SHORT_BINSTRING + bytes([len(obj)]) + obj)
+        else:
+            self.write(pickle.BINSTRING + struct.pack("<i", len(obj)) + obj)
+        self.memoize(obj)
+
+    def _save_latin1_str(self, obj: str) -> None:
+        self._save_py2_str(obj.encode("latin1"))
+
+    dispatch[bytes] = _save_py2_str
+    dispatch[str] = _save_latin1_str
+
+
+def _dump_py2(obj: Any, path: Path) -> None:
+    buf = io.BytesIO()
+    _Py2StylePickler(buf, protocol=2).dump(obj)
+    path.write_bytes(buf.getvalue())
+
+
+def write_tiny_cifar10(
+    root: str | os.PathLike[str], n_train: int = 250, n_test: int = 50, seed: int = 0
+) -> Path:
+    """Write a small CIFAR-10 in the python-pickle release format under ``root``.
+
+    Creates ``<root>/cifar-10-batches-py/`` with ``data_batch_1..5`` (``n_train`` images split as
+    evenly as possible), ``test_batch`` (``n_test``) and ``batches.meta``. Each batch is a dict
+    with the release's keys: ``b'data'`` uint8 ``(n, 3072)`` (R, G, B planes, row-major),
+    ``b'labels'`` (list of int), ``b'batch_label'`` and ``b'filenames'``; the meta file has
+    ``b'label_names'``, ``b'num_cases_per_batch'`` and ``b'num_vis'``. Labels cycle through the 10
+    classes; images are learnable (:func:`kfac_bench.data.synthetic.class_colour_images`).
+
+    Returns:
+        ``root`` (the directory to pass as ``dataset.root``).
+    """
+    rng = np.random.default_rng(seed)
+    directory = Path(root) / CIFAR10_DIRNAME
+    directory.mkdir(parents=True, exist_ok=True)
+    train_sizes = [len(a) for a in np.array_split(np.arange(n_train), len(TRAIN_FILES))]
+    splits = [
+        (name, size, f"training batch {i + 1} of {len(TRAIN_FILES)}")
+        for i, (name, size) in enumerate(zip(TRAIN_FILES, train_sizes, strict=True))
+    ]
+    splits.append((TEST_FILES[0], n_test, "testing batch 1 of 1"))
+    for name, size, batch_label in splits:
+        labels = (np.arange(size) + int(rng.integers(10))) % 10
+        pixels = class_colour_images(labels, 10, 32, 32, rng)  # (n, 32, 32, 3)
+        data = pixels.transpose(0, 3, 1, 2).reshape(size, 3072)  # channel planes, as the release
+        batch = {
+            b"batch_label": batch_label.encode(),
+            b"labels": [int(c) for c in labels],
+            b"data": np.ascontiguousarray(data),
+            b"filenames": [
+                f"{CIFAR10_LABEL_NAMES[c]}_s_{i:06d}.png".encode() for i, c in enumerate(labels)
+            ],
+        }
+        _dump_py2(batch, directory / name)
+    meta = {
+        b"num_cases_per_batch": max([*train_sizes, n_test]),
+        b"label_names": [n.encode() for n in CIFAR10_LABEL_NAMES],
+        b"num_vis": 3072,
+    }
+    _dump_py2(meta, directory / META_FILE)
+    return Path(root)

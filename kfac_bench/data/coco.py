@@ -43,7 +43,20 @@ from pycocotools import mask as mask_utils
 from torchvision.datasets import CocoDetection
 from torchvision.transforms.functional import pil_to_tensor
 
+from kfac_bench.data.base import DataSplits
+from kfac_bench.data.coco_fixtures import write_tiny_coco
 from kfac_bench.errors import DatasetError
+
+__all__ = [
+    "CocoInstances",
+    "Target",
+    "annotation_to_mask",
+    "build_coco",
+    "build_tiny_coco",
+    "coco_split",
+    "collate_detection",
+    "hflip",
+]
 
 Target = dict[str, Any]
 _HOW_TO_GET = (
@@ -209,15 +222,15 @@ def hflip(image: torch.Tensor, target: Target) -> tuple[torch.Tensor, Target]:
     return image.flip(-1), {**target, "boxes": boxes, "masks": target["masks"].flip(-1)}
 
 
-def build_coco(
-    root: str,
+def coco_split(
+    root: str | Path,
     split: str,
     train: bool,
     hflip_prob: float = 0.5,
     contiguous_labels: bool = False,
     image_dir: str | None = None,
 ) -> CocoInstances:
-    """Build a COCO instances dataset (a Hydra ``_target_``).
+    """One COCO instances split.
 
     Args:
         root: folder holding ``annotations/`` and the image folders.
@@ -236,3 +249,41 @@ def build_coco(
         DatasetError: the layout above is not found.
     """
     return CocoInstances(root, split, train, hflip_prob, contiguous_labels, image_dir)
+
+
+def build_coco(
+    root: str = "data/coco",
+    train_split: str = "train2017",
+    val_split: str = "val2017",
+    train_image_dir: str | None = None,
+    val_image_dir: str | None = None,
+    hflip_prob: float = 0.5,
+    contiguous_labels: bool = False,
+) -> DataSplits:
+    """Dataset builder (``dataset=coco``): COCO training and evaluation sets under ``root``.
+
+    COCO's training and evaluation sets are different annotation files, so both splits come from one
+    config: ``train_split``/``val_split`` name them (``train2017``/``val2017``; the MLPerf 2014 layout's
+    evaluation split is ``minival2014`` with ``val_image_dir=val2014``), ``*_image_dir`` name image folders
+    not named after their split. Batches are ``(list of images, list of targets)``
+    (:func:`collate_detection`).
+
+    Raises:
+        DatasetError: a split's annotation file or image folder is missing (before any training work).
+    """
+    train = coco_split(root, train_split, True, hflip_prob, contiguous_labels, train_image_dir)
+    val = coco_split(root, val_split, False, hflip_prob, contiguous_labels, val_image_dir)
+    return DataSplits(train, val, collate_detection)
+
+
+def build_tiny_coco(
+    root: str = "data/coco_tiny", n_train: int = 8, n_val: int = 4, seed: int = 0
+) -> DataSplits:
+    """Dataset builder (``dataset=coco_tiny``) of the smoke recipes: the tiny real-format COCO set of
+    :func:`kfac_bench.data.coco_fixtures.write_tiny_coco`, written to ``root`` (``train2017``/``val2017``)
+    on first use and read back like the real data. Raw category ids 1, 3 and 7: the model needs
+    ``num_classes >= 8``."""
+    for split, n, offset in (("train2017", n_train, 1), ("val2017", n_val, 2)):
+        if not (Path(root) / "annotations" / f"instances_{split}.json").is_file():
+            write_tiny_coco(root, split, n_images=n, seed=seed * 10 + offset)
+    return build_coco(root)

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from kfac_bench.data.base import DataSplits
 from kfac_bench.errors import DatasetError
-from kfac_bench.train.data import DataSplits
 
 __all__ = ["FILE_NAME", "build_digits", "load_digits_csv"]
 

@@ -1,4 +1,5 @@
-"""ImageNet-1k in the class-folder layout (``<root>/{train,val}/<wnid>/*.JPEG``), or synthetic.
+"""ImageNet-1k in the class-folder layout (``<root>/{train,val}/<wnid>/*.JPEG``), or synthetic; and a writer
+of tiny trees of real JPEG files in the same layout for tests and smoke runs.
 
 Reading is torchvision's ``ImageFolder``: class index = position of the folder name in the sorted
 list of class folders. Because that index is computed per split, this module checks that ``train/``
@@ -12,16 +13,25 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from kfac_bench.data.synthetic import SyntheticImages
+from kfac_bench.data.base import DataSplits
+from kfac_bench.data.synthetic import SyntheticImages, class_colour_images
 from kfac_bench.data.transforms import imagenet_transform
 from kfac_bench.errors import DatasetError
 
-__all__ = ["build_imagenet", "imagenet_classes"]
+__all__ = [
+    "build_imagenet",
+    "build_tiny_imagenet",
+    "imagenet_classes",
+    "imagenet_split",
+    "write_tiny_imagenet",
+]
 
 EXPECTED_LAYOUT = (
     "<root>/train/<wnid>/*.JPEG and <root>/val/<wnid>/*.JPEG: one folder per class, "
@@ -77,8 +87,8 @@ def _check_same_classes(root: Path, train: bool, classes: list[str]) -> None:
         )
 
 
-def build_imagenet(
-    root: str | os.PathLike[str] | None = None,
+def imagenet_split(
+    root: str | os.PathLike[str] | None,
     train: bool = True,
     augment: bool = True,
     synthetic: bool = False,
@@ -88,7 +98,7 @@ def build_imagenet(
     num_classes: int | None = 1000,
     seed: int = 0,
 ) -> Dataset[tuple[torch.Tensor, int]]:
-    """Build one split of ImageNet (Hydra ``_target_``).
+    """One split of ImageNet.
 
     Items are ``(image, label)``: float32 ``(3, image_size, image_size)`` normalised with the
     ImageNet mean/std, and the class index (sorted wnid order). Train with ``augment``:
@@ -139,3 +149,76 @@ def build_imagenet(
         return ImageFolder(str(split), transform=transform)
     except FileNotFoundError as exc:  # a class folder without any image file
         raise DatasetError(split, f"{EXPECTED_LAYOUT}; {exc}", HOW_TO_GET) from exc
+
+
+def build_imagenet(
+    root: str | None = "data/imagenet",
+    augment: bool = True,
+    synthetic: bool = False,
+    image_size: int = 224,
+    resize_size: int | None = None,
+    synthetic_length: int | None = None,
+    num_classes: int = 1000,
+    seed: int = 0,
+) -> DataSplits:
+    """Dataset builder (``dataset=imagenet``): ``train/`` and ``val/`` of ``root``, or random tensors of the
+    same shapes with ``synthetic`` (see :func:`imagenet_split` for the arguments)."""
+    args = (augment, synthetic, image_size, resize_size, synthetic_length, num_classes, seed)
+    return DataSplits(imagenet_split(root, True, *args), imagenet_split(root, False, *args))
+
+
+def build_tiny_imagenet(
+    root: str = "data/imagenet_tiny",
+    classes: int = 4,
+    per_class: int = 8,
+    image_size: int = 64,
+    seed: int = 0,
+) -> DataSplits:
+    """Dataset builder (``dataset=imagenet_tiny``) of the smoke recipes: a tiny class-folder tree of real
+    JPEG files, written to ``root`` by :func:`write_tiny_imagenet` (``classes`` folders) unless
+    ``<root>/train`` exists, then read like the real data at ``image_size`` (RandomResizedCrop + flip for
+    train, Resize + CenterCrop for val). Items: float32 ``(3, image_size, image_size)``, label in
+    ``[0, classes)``."""
+    if not (Path(root) / "train").is_dir():
+        write_tiny_imagenet(root, classes=classes, per_class=per_class, seed=seed)
+    return build_imagenet(root, image_size=image_size, num_classes=classes)
+
+
+def write_tiny_imagenet(
+    root: str | os.PathLike[str],
+    classes: int = 4,
+    per_class: int = 8,
+    size: int = 72,
+    val_per_class: int | None = None,
+    seed: int = 0,
+) -> Path:
+    """Write a small ImageNet-style tree of real JPEG files under ``root``.
+
+    Layout: ``<root>/train/<wnid>/<wnid>_<k>.JPEG`` (``per_class`` each) and
+    ``<root>/val/<wnid>/ILSVRC2012_val_<k>.JPEG`` (``val_per_class`` each, default
+    ``max(2, per_class // 4)``), with wnids ``n00000000, n00000001, ...``. Images are RGB, the
+    shorter side about ``size`` pixels and a random aspect ratio in [3/4, 4/3], like the varied
+    sizes of ImageNet; their pixels are learnable (:func:`kfac_bench.data.synthetic.class_colour_images`).
+
+    Returns:
+        ``root`` (the directory to pass as ``dataset.root``).
+    """
+    rng = np.random.default_rng(seed)
+    val_n = max(2, per_class // 4) if val_per_class is None else val_per_class
+    wnids = [f"n{c:08d}" for c in range(classes)]
+    val_index = 0
+    for split, n in (("train", per_class), ("val", val_n)):
+        for c, wnid in enumerate(wnids):
+            folder = Path(root) / split / wnid
+            folder.mkdir(parents=True, exist_ok=True)
+            for k in range(n):
+                aspect = float(rng.uniform(0.75, 4 / 3))
+                h, w = (size, round(size * aspect)) if aspect >= 1 else (round(size / aspect), size)
+                pixels = class_colour_images(np.array([c]), classes, h, w, rng)[0]
+                if split == "train":
+                    name = f"{wnid}_{k}.JPEG"
+                else:
+                    val_index += 1
+                    name = f"ILSVRC2012_val_{val_index:08d}.JPEG"
+                Image.fromarray(pixels).save(folder / name, format="JPEG", quality=90)
+    return Path(root)

@@ -1,12 +1,10 @@
-"""DataLoader construction for the image benchmarks, single-process or under torch.distributed.
+"""Samplers and loaders: how a :class:`~kfac_bench.data.base.DataSplits` becomes this rank's batches.
 
-One code path for both cases: training always draws its order from a ``DistributedSampler`` (with
-one replica when torch.distributed is not initialised), so a 1-process run and a world-size-1
-distributed run see the same order for the same seed, and K-FAC and SGD arms see the same order.
-
-Note:
-    The caller must call :func:`set_epoch` (or ``loader.sampler.set_epoch(epoch)``) at the start of
-    every training epoch; otherwise every epoch repeats the first epoch's order.
+Training data is sharded with :class:`ResumableSampler` (a ``DistributedSampler`` that reshuffles every epoch
+and can start mid-epoch, so a resumed run sees exactly the batches an uninterrupted run would); one code path
+serves one process and many, so a single-process run and a world-size-1 distributed run see the same order,
+and the K-FAC and first-order arms see the same order for the same seed. Evaluation data is sharded without
+padding (:class:`ShardSampler`), so every example is counted exactly once across ranks.
 """
 
 from __future__ import annotations
@@ -16,22 +14,48 @@ from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, Sampler
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-__all__ = ["ShardSampler", "build_loader", "set_epoch"]
+from kfac_bench.data.base import DataSplits
+
+__all__ = ["ResumableSampler", "ShardSampler", "build_loaders"]
+
+
+class ResumableSampler(DistributedSampler):
+    """A ``DistributedSampler`` (shuffled, padded to equal shards) whose epoch can start at a given example.
+
+    ``set_epoch(epoch, skip=k)`` reshuffles with ``seed + epoch`` (the same order on every restart) and
+    drops the first ``k`` indices of this rank's shard: those are the examples a preempted run already used.
+
+    Note:
+        Call ``set_epoch`` before every training epoch; otherwise every epoch repeats the first one's order.
+    """
+
+    def __init__(self, dataset: Dataset[Any], num_replicas: int, rank: int, seed: int) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        return iter(indices[self.skip :])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
 
 
 class ShardSampler(Sampler[int]):
     """Evaluation sampler: rank ``r`` of ``n`` gets indices ``r, r + n, r + 2n, ...`` in order.
 
-    Unlike ``DistributedSampler`` it never pads with repeated samples, so per-rank sums of correct
+    Unlike ``DistributedSampler`` it never pads with repeated examples, so per-rank sums of correct
     predictions and counts, all-reduced, give the exact metric over the whole split.
 
     Note:
-        Shards can differ by one sample, hence by one batch: reduce once after the loop, never
-        per batch (a per-batch collective would hang on the rank with fewer batches).
+        Shards can differ by one example, hence by one batch: reduce once after the loop, never per batch
+        (a per-batch collective would hang on the rank with fewer batches).
     """
 
     def __init__(self, dataset: Sized, num_replicas: int = 1, rank: int = 0) -> None:
@@ -47,70 +71,51 @@ class ShardSampler(Sampler[int]):
     def __len__(self) -> int:
         return max(0, math.ceil((self.length - self.rank) / self.num_replicas))
 
-    def set_epoch(self, epoch: int) -> None:
-        """No-op (the order does not depend on the epoch); present so callers need no type check."""
 
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
-
-
-def build_loader(
-    dataset: Dataset[Any],
+def build_loaders(
+    splits: DataSplits,
     batch_size: int,
-    train: bool = True,
+    world_size: int,
+    rank: int,
+    seed: int,
     num_workers: int = 0,
     pin_memory: bool = False,
-    drop_last: bool | None = None,
-    seed: int = 0,
-) -> DataLoader[Any]:
-    """Wrap ``dataset`` in a DataLoader for this process.
+    eval_batch_size: int | None = None,
+) -> tuple[DataLoader[Any], DataLoader[Any], ResumableSampler]:
+    """Training and evaluation loaders for rank ``rank`` of ``world_size``.
 
     Args:
-        dataset: a map-style dataset with ``len``.
-        batch_size: samples per batch **per process** (the paper's per-GPU batch).
-        train: shuffle with a ``DistributedSampler`` (seeded by ``seed`` and the epoch), else
-            iterate this rank's strided shard in order (:class:`ShardSampler`, no padding).
-        num_workers: worker processes (0 loads in the calling process).
+        splits: what the dataset builder returned.
+        batch_size: examples per micro-batch **per process** (the paper's per-GPU batch).
+        world_size / rank: this process's place in the job (1 / 0 without torch.distributed).
+        seed: shuffling seed, identical on every rank.
+        num_workers: loader worker processes (0 loads in the calling process).
         pin_memory: page-locked batches (pass ``device.type == "cuda"``).
-        drop_last: drop the last incomplete batch; default ``train`` (BatchNorm layers and K-FAC's
-            factor statistics prefer full batches). Under torch.distributed the training sampler
-            also drops the tail that does not divide evenly across ranks.
-        seed: shuffling seed, identical on every rank; worker RNGs (augmentation) are seeded from
-            ``seed`` and the rank. With ``num_workers=0`` augmentation draws from the global torch
-            RNG instead (seed it with ``torch.manual_seed``).
+        eval_batch_size: evaluation batch size; default ``batch_size``.
 
     Returns:
-        The DataLoader; its ``sampler`` has ``set_epoch``.
-
-    Note:
-        Call :func:`set_epoch` before each training epoch (see the module docstring).
+        (train loader, eval loader, the train sampler, whose ``set_epoch`` the loop calls every epoch).
+        The train loader drops the last incomplete batch, so every optimizer step sees the same batch size
+        (BatchNorm layers and K-FAC's factor statistics prefer full batches).
     """
-    world_size, rank = _world()
-    drop = train if drop_last is None else drop_last
-    sampler: Sampler[int]
-    if train:
-        sampler = DistributedSampler(
-            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=drop
-        )
-    else:
-        sampler = ShardSampler(dataset, world_size, rank)  # type: ignore[arg-type]
-    return DataLoader(
-        dataset,
+    sampler = ResumableSampler(splits.train, world_size, rank, seed)
+    generator = torch.Generator().manual_seed(seed)
+    common: dict[str, Any] = {
+        "num_workers": num_workers,
+        "pin_memory": pin_memory,
+        "collate_fn": splits.collate_fn,
+        "persistent_workers": num_workers > 0,
+    }
+    train = DataLoader(
+        splits.train,
         batch_size=batch_size,
         sampler=sampler,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        drop_last=drop,
-        persistent_workers=num_workers > 0,
-        generator=torch.Generator().manual_seed(seed * 1000 + rank),
+        drop_last=True,
+        generator=generator,
+        **common,
     )
-
-
-def set_epoch(loader: DataLoader[Any], epoch: int) -> None:
-    """Reseed the loader's shuffle for ``epoch`` (call at the start of every training epoch)."""
-    set_fn = getattr(loader.sampler, "set_epoch", None)
-    if set_fn is not None:
-        set_fn(epoch)
+    val_sampler = ShardSampler(splits.val, world_size, rank)  # type: ignore[arg-type]
+    val = DataLoader(
+        splits.val, batch_size=eval_batch_size or batch_size, sampler=val_sampler, **common
+    )
+    return train, val, sampler

@@ -1,19 +1,27 @@
-"""Random image datasets of a benchmark's real shapes, for throughput runs without data on disk.
+"""Made-up images: random datasets of a benchmark's real shapes, and learnable class-colour pixels.
 
-A synthetic sample has exactly what the real pipeline returns after preprocessing: a float32
-``(C, H, W)`` tensor (standard-normal values, i.e. already "normalised") and an int label in
-``[0, num_classes)``. Everything is a deterministic function of ``seed``, so two runs (or two
-ranks) see the same data for the same indices.
+:class:`SyntheticImages` is for throughput runs without data on disk: a sample has exactly what the real
+pipeline returns after preprocessing, a float32 ``(C, H, W)`` tensor (standard-normal values, i.e. already
+"normalised") and an int label in ``[0, num_classes)``. Everything is a deterministic function of ``seed``, so
+two runs (or two ranks) see the same data for the same indices.
+
+:func:`class_colour_images` gives the pixels of the tiny real-format sets that tests and smoke recipes write
+(:func:`kfac_bench.data.cifar.write_tiny_cifar10`, :func:`kfac_bench.data.imagenet.write_tiny_imagenet`):
+each class has its own colour under pixel noise, which random crops and flips preserve, so a few epochs of a
+small network get well above chance.
 """
 
 from __future__ import annotations
 
+import colorsys
+
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from kfac_bench.errors import ConfigError
 
-__all__ = ["SyntheticImages", "build_synthetic_images"]
+__all__ = ["SyntheticImages", "build_synthetic_images", "class_colour", "class_colour_images"]
 
 
 class SyntheticImages(Dataset[tuple[torch.Tensor, int]]):
@@ -72,6 +80,21 @@ def build_synthetic_images(
     seed: int = 0,
     pool_size: int = 64,
 ) -> SyntheticImages:
-    """Build a :class:`SyntheticImages` (Hydra ``_target_``) of square or ``(H, W)`` images."""
+    """A :class:`SyntheticImages` of square or ``(H, W)`` images."""
     h, w = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
     return SyntheticImages(length, (channels, h, w), num_classes, seed=seed, pool_size=pool_size)
+
+
+def class_colour(label: int, num_classes: int) -> np.ndarray:
+    """RGB colour (float ``(3,)`` in [0, 255]) of ``label``: evenly spaced hues, saturated."""
+    r, g, b = colorsys.hsv_to_rgb(label / num_classes, 0.85, 0.9)
+    return np.array([r, g, b]) * 255.0
+
+
+def class_colour_images(
+    labels: np.ndarray, num_classes: int, h: int, w: int, rng: np.random.Generator
+) -> np.ndarray:
+    """uint8 ``(n, h, w, 3)``: image ``i`` is the colour of ``labels[i]`` plus N(0, 40^2) noise per pixel."""
+    base = np.stack([class_colour(int(c), num_classes) for c in labels])[:, None, None, :]
+    noisy = base + rng.normal(0.0, 40.0, size=(len(labels), h, w, 3))
+    return np.clip(noisy, 0, 255).astype(np.uint8)

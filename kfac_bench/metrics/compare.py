@@ -1,4 +1,4 @@
-"""``kfac-bench compare``: time-to-target of several runs against the first (the baseline).
+"""Time-to-target of several runs against the first (the baseline), behind ``kfac-bench compare``.
 
 Reads each run's ``summary.json`` and ``eval.jsonl``; a folder without ``summary.json`` (a Hydra multirun
 folder) contributes every run below it, in job order. Writes ``compare.md``, ``compare.csv`` and
@@ -8,7 +8,6 @@ drawn) and prints the table.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import re
@@ -21,7 +20,7 @@ from kfac_bench.errors import UserError
 from kfac_bench.metrics.sinks import EVAL_FILE, read_jsonl
 from kfac_bench.metrics.summary import SUMMARY_FILE, read_summary
 
-__all__ = ["COLUMNS", "Run", "compare_main", "find_runs", "plot", "render", "table_rows"]
+__all__ = ["COLUMNS", "Run", "find_runs", "plot", "render", "table_rows"]
 
 COLUMNS = [
     "run",
@@ -194,31 +193,3 @@ def plot(runs: Sequence[Run], path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-
-
-def compare_main(args: Sequence[str]) -> int:
-    """Entry of ``kfac-bench compare``."""
-    parser = argparse.ArgumentParser(
-        prog="kfac-bench compare",
-        description="Compare runs against the first (the baseline). A multirun folder adds all its runs.",
-    )
-    parser.add_argument("runs", nargs="+", help="run directories (or folders holding runs)")
-    parser.add_argument(
-        "--out", default="compare", help="folder for compare.md/.csv/.png (default: compare)"
-    )
-    parser.add_argument(
-        "--format",
-        choices=("terminal", "markdown", "csv"),
-        default="terminal",
-        help="table printed",
-    )
-    ns = parser.parse_args(list(args))
-    runs = find_runs(ns.runs)
-    out = Path(ns.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compare.md").write_text(render(runs, "markdown"))
-    (out / "compare.csv").write_text(render(runs, "csv"))
-    plot(runs, out / "compare.png")
-    print(render(runs, ns.format), end="")
-    print(f"wrote {out / 'compare.md'}, {out / 'compare.csv'}, {out / 'compare.png'}")
-    return 0

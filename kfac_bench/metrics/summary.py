@@ -1,4 +1,5 @@
-"""``summary.json``: what a finished (or stopped) run reports, read by ``kfac-bench compare``."""
+"""``summary.json``: what a finished (or stopped) run reports, read by ``kfac-bench compare``; and the one
+line a run prints when it ends."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ from typing import Any
 
 import torch
 
+from kfac_bench.metrics.tracker import TargetTracker, Throughput
+
 __all__ = [
     "STATUSES",
     "SUMMARY_FILE",
     "git_commit",
     "peak_memory_bytes",
     "read_summary",
+    "report_line",
+    "run_summary",
     "write_summary",
 ]
 
@@ -57,3 +62,83 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
 
 def read_summary(run_dir: Path) -> dict[str, Any]:
     return json.loads((Path(run_dir) / SUMMARY_FILE).read_text())
+
+
+def run_summary(
+    *,
+    name: str,
+    status: str,
+    tracker: TargetTracker,
+    steps: int,
+    steps_per_epoch: int,
+    samples: int,
+    wall_time_s: float,
+    train_time_s: float,
+    throughput: Throughput,
+    stage_times_s: dict[str, float],
+    precond: Any,
+    world_size: int,
+    device: torch.device,
+    config: dict[str, Any],
+) -> dict[str, Any]:
+    """The ``summary.json`` of a run: status, time-to-target (wall and training seconds, epochs, steps),
+    best and final metrics, throughput, K-FAC stage seconds and memory, peak memory, and the config.
+
+    Args:
+        precond: the preconditioner, or None for a first-order run.
+        config: the resolved run config as plain containers.
+    """
+    reached = tracker.reached
+    stages = stage_times_s
+    kfac_share = sum(stages.values()) / train_time_s if stages and train_time_s > 0 else None
+    memory = getattr(precond, "memory_usage", None)
+    return {
+        "name": name,
+        "status": status,
+        "target_metric": tracker.primary,
+        "targets": tracker.targets,
+        "target_value": tracker.targets.get(tracker.primary),
+        "higher_is_better": tracker.higher_is_better,
+        "reached_target": reached is not None,
+        "time_to_target_s": reached["wall_time_s"] if reached else None,
+        "train_time_to_target_s": reached["train_time_s"] if reached else None,
+        "epochs_to_target": reached["epoch"] if reached else None,
+        "steps_to_target": reached["step"] if reached else None,
+        "best_metric": tracker.best,
+        "best_metric_epoch": tracker.best_record.get("epoch"),
+        "final_metrics": tracker.last.get("metrics"),
+        "steps": steps,
+        "epochs": steps / steps_per_epoch,
+        "samples": samples,
+        "wall_time_s": wall_time_s,
+        "train_time_s": train_time_s,
+        "mean_step_time_s": throughput.mean_step_time_s,
+        "samples_per_s": throughput.samples_per_s,
+        "kfac_enabled": precond is not None,
+        "kfac_stage_times_s": stages,
+        "kfac_time_fraction": kfac_share,
+        "kfac_memory_bytes": memory() if memory is not None else None,
+        "peak_memory_bytes": peak_memory_bytes(device),
+        "world_size": world_size,
+        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "config": config,
+        "git_commit": git_commit(),
+        "torch_version": torch.__version__,
+    }
+
+
+def report_line(result: dict[str, Any], run_dir: Path) -> str:
+    """The line a run prints when it ends: status, time-to-target (or why not), run directory."""
+    metric = result["target_metric"]
+    if result["reached_target"]:
+        line = (
+            f"time-to-target: {result['time_to_target_s']:.1f} s "
+            f"({result['epochs_to_target']:.2f} epochs) for {metric} >= {result['target_value']}"
+        )
+    elif result["targets"]:
+        line = (
+            f"target {metric} {result['target_value']} not reached (best {result['best_metric']})"
+        )
+    else:
+        line = f"no target set (best {metric} {result['best_metric']})"
+    return f"kfac-bench: {result['status']} | {line} | run dir {run_dir}"

@@ -1,8 +1,9 @@
-"""Time-to-accuracy bookkeeping: the run's clocks, its targets and throughput.
+"""Time-to-accuracy bookkeeping: the run's clocks, its targets, throughput and K-FAC stage times.
 
-Clocks accumulate over restarts: a checkpoint stores ``train_time_s`` (optimizer steps only) and
-``wall_time_s`` (steps + evaluations + checkpoints), and a resumed run continues from them, so the
-time-to-target of a preempted run counts only the time spent working on it.
+Everything accumulates over restarts: a checkpoint stores ``train_time_s`` (optimizer steps only) and
+``wall_time_s`` (steps + evaluations + checkpoints), the throughput sums and the stage seconds, and a resumed
+run continues from them, so the time-to-target of a preempted run counts only the time spent working on it.
+:class:`TargetTracker` is the run's one stop test: a run reaches its target when every target is met.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Clock", "TargetTracker", "Throughput"]
+__all__ = ["Clock", "StageTimes", "TargetTracker", "Throughput"]
 
 
 class Clock:
@@ -85,13 +86,9 @@ class TargetTracker:
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.reached, self.best, self.best_record = (
-            state["reached"],
-            state["best"],
-            state["best_record"],
-        )
-        self.last = state.get("last", {})
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.reached, self.best = state_dict["reached"], state_dict["best"]
+        self.best_record, self.last = state_dict["best_record"], state_dict["last"]
 
 
 @dataclass
@@ -114,3 +111,36 @@ class Throughput:
     @property
     def samples_per_s(self) -> float | None:
         return self.samples / self.step_time_s if self.step_time_s > 0 else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.steps, self.samples = state_dict["steps"], state_dict["samples"]
+        self.step_time_s = state_dict["step_time_s"]
+
+
+class StageTimes:
+    """Seconds per K-FAC stage over the whole run: what earlier processes of the run measured (restored from
+    the checkpoint) plus what ``precond.stage_times()`` measured in this one.
+
+    Args:
+        precond: the preconditioner, or None (a first-order run has no stages).
+    """
+
+    def __init__(self, precond: Any | None) -> None:
+        self.precond = precond
+        self.offset: dict[str, float] = {}
+
+    def totals(self) -> dict[str, float]:
+        """Stage name -> seconds, sorted by name."""
+        stage_times = getattr(self.precond, "stage_times", None)
+        current = stage_times() if stage_times is not None else {}
+        keys = set(self.offset) | set(current)
+        return {k: self.offset.get(k, 0.0) + float(current.get(k, 0.0)) for k in sorted(keys)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seconds": self.totals()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.offset = dict(state_dict["seconds"])

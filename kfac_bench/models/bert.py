@@ -4,7 +4,7 @@ The model is ``transformers.BertForPreTraining`` with randomly initialised weigh
 downloaded (``HF_HUB_OFFLINE`` is set before transformers is imported). Phase 2 of the paper's recipe
 starts from the phase-1 model through ``init_checkpoint``.
 
-K-FAC (PAPER.md §3.7) preconditions only the encoder's ``nn.Linear`` layers: the embeddings and the
+K-FAC (TPDS §6.3.3) preconditions only the encoder's ``nn.Linear`` layers: the embeddings and the
 prediction heads are skipped, because the MLM decoder's input/output factors would be 30522 x 30522
 (:data:`BERT_KFAC_SKIP_LAYERS`). The encoder's Linear layers see inputs of shape (batch, seq, features);
 every token counts as one row of the Kronecker factors (the reference's "expand" treatment), so a factor

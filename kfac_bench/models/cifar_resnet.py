@@ -1,7 +1,7 @@
 """The CIFAR ResNet family (ResNet-20/32/44/56/110) of He et al. 2016, §4.2.
 
 This is the network the paper's CIFAR-10 correctness runs use (ResNet-32, target 92.49 % top-1;
-PAPER.md §3.2). It follows the reference code of the K-FAC papers (kfac-pytorch's
+SC20 §VI-C1, TPDS §6.3.1). It follows the reference code of the K-FAC papers (kfac-pytorch's
 ``cifar_resnet.py``, itself Y. Idelbayev's ``pytorch_resnet_cifar10``):
 
 - a 3x3 stem with 16 channels, then three stages of ``n`` basic blocks with 16, 32 and 64 channels

@@ -1,13 +1,13 @@
 """Mask R-CNN with a ResNet-50-FPN backbone (torchvision), and where K-FAC goes in it.
 
-The paper's Mask R-CNN runs (PAPER.md §3.6) start from an ImageNet-pretrained ResNet-50 and keep
+The paper's Mask R-CNN runs (TPDS §6.3.2) start from an ImageNet-pretrained ResNet-50 and keep
 the backbone's batch norm frozen, as the MLPerf reference and torchvision's pretrained-backbone path
 do. Nothing is downloaded: pass a local ResNet-50 state_dict as ``backbone_weights``. Without one
 the run starts from scratch; the frozen batch norm is then the identity map, which is fine for
 smoke runs but is not the paper's setup.
 
-K-FAC placement: training converged only with K-FAC on the box head and the mask head (PAPER.md
-§3.6), so :data:`MASKRCNN_SKIP_LAYERS` skips the backbone (ResNet body + FPN) and the RPN and
+K-FAC placement: training converged only with K-FAC on the box head and the mask head (TPDS
+§6.3.2), so :data:`MASKRCNN_SKIP_LAYERS` skips the backbone (ResNet body + FPN) and the RPN and
 leaves every ``nn.Linear`` / ``nn.Conv2d`` of ``roi_heads`` to the preconditioner:
 
 * ``roi_heads.box_head.fc6``, ``roi_heads.box_head.fc7``                   (Linear)
@@ -19,7 +19,8 @@ The mask predictor's ``conv5_mask`` is a ``ConvTranspose2d``: it is not an ``nn.
 register it, and it is trained by plain SGD (as in the reference code, whose K-FAC had no transposed
 convolution either).
 
-The reference code (C6) names its skips by class: ``ResNet``, ``FPN``, ``RPNModule`` and
+The reference code (the authors' K-FAC fork of NVIDIA DeepLearningExamples
+PyTorch/Segmentation/MaskRCNN) names its skips by class: ``ResNet``, ``FPN``, ``RPNModule`` and
 ``FPN2MLPFeatureExtractor`` -- the last one is the box head's fc6/fc7 (a 12544-input Linear whose
 A factor is 12545 x 12545). :data:`MASKRCNN_SKIP_LAYERS_REFERENCE_CODE` reproduces that narrower
 placement; the paper's text (box head and mask head) is the default.

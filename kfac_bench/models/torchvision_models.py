@@ -1,4 +1,4 @@
-"""torchvision ResNets for the ImageNet benchmarks (PAPER.md §3.3-3.5), always randomly initialised.
+"""torchvision ResNets for the ImageNet benchmarks (SC20 §VI-C1/C3), always randomly initialised.
 
 The papers train ResNet-50/101/152 from scratch (torchvision's definitions in the reference code);
 ResNet-18/34 are accepted too because they make cheap smoke runs of the same pipeline.

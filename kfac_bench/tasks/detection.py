@@ -1,9 +1,10 @@
 """Instance detection and segmentation (Mask R-CNN on COCO): the training loss and COCO mAP evaluation.
 
-Targets (PAPER.md §3.6): the paper's runs stop at the first per-epoch evaluation reaching
+Targets (TPDS §6.3.2, KAISA Table 1): the paper's runs stop at the first per-epoch evaluation reaching
 **bbox mAP 0.377 and segm mAP 0.342** (:data:`PAPER_TARGETS`, MLPerf v0.6/v0.7's values). MLPerf's
-current Mask R-CNN rules use segm 0.339 (:data:`MLPERF_TARGETS`); the target is a config value, and
-:func:`targets_met` checks both metrics.
+current Mask R-CNN rules use segm 0.339 (:data:`MLPERF_TARGETS`). The targets are a config value
+(``train.targets``); the run's one stop test, :class:`kfac_bench.metrics.tracker.TargetTracker`, needs every
+one of them met.
 
 Batches are ``(images, targets)`` as built by :func:`kfac_bench.data.coco.collate_detection`.
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -27,19 +27,17 @@ from torch import nn
 from torch.utils.data import Subset
 
 from kfac_bench.data.coco import Target
+from kfac_bench.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+#: What :meth:`DetectionTask.evaluate` reports: COCOeval mAP@[.5:.95] of boxes and of masks.
+METRICS = ("bbox_map", "segm_map")
 PAPER_TARGETS: dict[str, float] = {"bbox_map": 0.377, "segm_map": 0.342}
 MLPERF_TARGETS: dict[str, float] = {"bbox_map": 0.377, "segm_map": 0.339}
 
 # COCO-format results of one image: (bbox results, segm results).
 ImageResults = tuple[list[dict[str, Any]], list[dict[str, Any]]]
-
-
-def targets_met(metrics: Mapping[str, float], targets: Mapping[str, float]) -> bool:
-    """True when every metric named in ``targets`` is at least its target (missing metrics fail)."""
-    return all(metrics.get(name, -math.inf) >= value for name, value in targets.items())
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -158,13 +156,17 @@ class DetectionTask:
     """Mask R-CNN training loss and COCO bbox/segm mAP evaluation (implements ``tasks.base.Task``).
 
     Args:
-        targets: metric -> value the run must reach, all of them (default :data:`PAPER_TARGETS`; use
-            :data:`MLPERF_TARGETS` for MLPerf's current segm value).
+        targets: the run's targets (``train.targets``; default :data:`PAPER_TARGETS`): each must name a
+            metric :meth:`evaluate` reports, so a misspelt target fails at start-up instead of never being
+            met. The stop test itself is the run's ``TargetTracker``.
         mask_threshold: mask probability threshold for segm results.
 
     Attributes:
-        target_metric: ``"bbox_map"``; the segm target is in ``targets`` and :meth:`targets_met` checks both.
+        target_metric: ``"bbox_map"``, the primary metric; the segm target is in ``targets``.
         last_loss_parts: detached components of the last :meth:`loss` (torchvision's loss dict).
+
+    Raises:
+        ConfigError: a target names a metric this task does not report.
     """
 
     target_metric = "bbox_map"
@@ -174,6 +176,12 @@ class DetectionTask:
         self, targets: Mapping[str, float] | None = None, mask_threshold: float = 0.5
     ) -> None:
         self.targets = dict(PAPER_TARGETS if targets is None else targets)
+        unknown = sorted(set(self.targets) - set(METRICS))
+        if unknown:
+            raise ConfigError(
+                f"train.targets names {', '.join(unknown)}, which detection does not report: "
+                f"use {' and/or '.join(METRICS)}"
+            )
         self.mask_threshold = mask_threshold
         self.last_loss_parts: dict[str, torch.Tensor] = {}
 
@@ -228,7 +236,3 @@ class DetectionTask:
         merged = _gather_to_rank0(local)
         metrics = coco_map(source.coco, merged) if merged is not None else None
         return _broadcast_from_rank0(metrics)
-
-    def targets_met(self, metrics: Mapping[str, float]) -> bool:
-        """Whether ``metrics`` reach every target in ``self.targets`` (the run's stop-at-target test)."""
-        return targets_met(metrics, self.targets)

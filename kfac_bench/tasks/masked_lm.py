@@ -21,24 +21,9 @@ from torch.nn import functional as F
 
 from kfac_bench.errors import UserError
 
-__all__ = ["MaskedLMTask", "accumulation_steps", "build_masked_lm"]
+__all__ = ["MaskedLMTask", "build_masked_lm"]
 
 IGNORE_INDEX = -100
-
-
-def accumulation_steps(global_batch: int, local_batch: int, world_size: int) -> int:
-    """Micro-steps per optimizer step so that ``world_size`` ranks of ``local_batch`` make ``global_batch``.
-
-    The harness's arithmetic (:func:`kfac_bench.train.run.accumulation_steps`, which derives the loop's
-    accumulation from ``train.global_batch_size``), in the argument order of NVIDIA's BERT recipe.
-
-    Raises:
-        ConfigError: a non-positive size, or ``global_batch`` not a multiple of ``local_batch * world_size``
-            (the message names the nearest local batches that fit).
-    """
-    from kfac_bench.train.run import accumulation_steps as harness_accumulation_steps
-
-    return harness_accumulation_steps(local_batch, world_size, global_batch, default=1)
 
 
 def _logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

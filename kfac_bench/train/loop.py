@@ -1,10 +1,11 @@
-"""The one training loop. Tasks define only the loss of a batch and the evaluation; the order lives here.
+"""The one training loop. Tasks define only the loss of a batch and the evaluation; the order lives here,
+in :func:`run_loop` (STYLE.md guideline 8; the shape of nanoGPT's loop and detectron2's
+``SimpleTrainer.run_step``).
 
-One optimizer step (:func:`optimizer_step`):
-    forward under autocast -> scaled backward per micro-batch (DDP ``no_sync`` on all but the last) ->
-    one all-reduce of [loss, preemption flag] -> AMP unscale -> gradient clipping -> ``precond.step()``
-    (after DDP averaged the gradients and after unscaling) -> ``optimizer.step()`` -> ``zero_grad``.
-Around it (:func:`train`): LR schedule step, metrics, evaluation, checkpoints, stop at target, preemption.
+One optimizer step: forward under autocast -> scaled backward per micro-batch (DDP ``no_sync`` on all but the
+last) -> one all-reduce of [loss, preemption flag] -> AMP unscale -> gradient clipping -> ``precond.step()``
+(after DDP averaged the gradients and after unscaling) -> ``optimizer.step()`` -> ``zero_grad`` -> LR schedule
+step. Around it: metrics, evaluation, the stop test, checkpoints, preemption.
 """
 
 from __future__ import annotations
@@ -14,40 +15,29 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from kfac_bench.metrics.tracker import Clock, TargetTracker, Throughput
+from kfac_bench.metrics.recorder import Recorder
+from kfac_bench.metrics.tracker import TargetTracker
+from kfac_bench.train.checkpoint import CheckpointManager
+from kfac_bench.train.signals import PreemptionFlag
+from kfac_bench.train.state import TrainState
 
-__all__ = ["Loop", "TrainState", "optimizer_step", "train"]
-
-
-@dataclass
-class TrainState:
-    """Progress that a checkpoint restores. ``micro_in_epoch`` counts this rank's consumed micro-batches
-    of the current epoch (the sampler skips them on resume)."""
-
-    epoch: int = 0
-    step: int = 0
-    micro_in_epoch: int = 0
-    samples: int = 0
-    wall: Clock = field(default_factory=Clock)
-    train_clock: Clock = field(default_factory=Clock)
-    throughput: Throughput = field(default_factory=Throughput)
-    last_eval_step: int = -1
+__all__ = ["Loop", "evaluate", "run_loop"]
 
 
 @dataclass
 class Loop:
-    """Everything the loop touches, built by :mod:`kfac_bench.train.run`.
+    """Everything the loop touches, built by :func:`kfac_bench.train.build.build_run`.
 
     ``model`` is what the forward pass calls (the DDP wrapper when distributed); ``module`` is the bare
-    model (evaluation, checkpoints). ``on_eval(record)``, ``on_log(stats)``, ``checkpoint()`` are the
-    run's callbacks (sinks and saving; they do not change the order).
+    model (evaluation, checkpoints). ``recorder`` receives the measurements (it does not change the order);
+    ``tracker`` is the run's one stop test; ``checkpoints`` saves every stateful part.
     """
 
     model: nn.Module
@@ -64,16 +54,15 @@ class Loop:
     sampler: Any
     state: TrainState
     tracker: TargetTracker
+    recorder: Recorder
+    checkpoints: CheckpointManager
+    preempt: PreemptionFlag
     accumulation_steps: int
     micro_per_epoch: int
     epochs: int
     max_steps: int
     world_size: int
     batch_size: int
-    preempt: Any
-    on_eval: Callable[[dict[str, Any]], None]
-    on_log: Callable[[dict[str, Any]], None]
-    checkpoint: Callable[[], None]
     grad_clip_norm: float | None = None
     eval_every_epochs: int = 1
     eval_every_steps: int | None = None
@@ -83,49 +72,105 @@ class Loop:
     limit_eval_batches: int | None = None
 
 
-def optimizer_step(loop: Loop, micro_batches: list[Any]) -> tuple[float, bool, int]:
-    """One optimizer step over ``micro_batches``. Returns (mean loss over ranks, preemption requested,
-    examples this rank processed). A non-finite loss returns before any parameter changes."""
+def run_loop(loop: Loop) -> str:
+    """Train until the epoch/step budget, the target (with ``stop_at_target``), divergence or preemption.
+
+    A non-finite loss stops the run before any parameter changes (the last checkpoint stays the last good
+    one).
+
+    Returns:
+        The run status: ``success``, ``target_not_reached``, ``diverged`` or ``preempted``.
+    """
+    s = loop.state
     ddp = isinstance(loop.model, nn.parallel.DistributedDataParallel)
-    loss_sum = torch.zeros((), device=loop.device)
-    examples = 0
-    for i, batch in enumerate(micro_batches):
-        batch = loop.task.to_device(batch, loop.device)
-        examples += loop.task.batch_size(batch)
-        last = i == len(micro_batches) - 1
-        with loop.model.no_sync() if ddp and not last else contextlib.nullcontext():  # type: ignore[operator]
-            with loop.autocast():
-                loss = loop.task.loss(loop.model, batch)
-            scaled = loss / len(micro_batches)
-            (loop.scaler.scale(scaled) if loop.scaler else scaled).backward()
-        loss_sum += loss.detach().float()
-    # One collective decides for every rank: divergence (NaN spreads through the sum) and preemption.
+    s.wall.start()
+    loop.module.train()
+    while s.epoch < loop.epochs and s.step < loop.max_steps:
+        s.train_clock.start()
+        for micro_batches in _epoch_batches(loop):
+            t0 = time.perf_counter()
+            loss_sum, examples = torch.zeros((), device=loop.device), 0
+            for i, batch in enumerate(micro_batches):
+                batch = loop.task.to_device(batch, loop.device)
+                examples += loop.task.batch_size(batch)
+                last = i == len(micro_batches) - 1
+                # DDP all-reduces the gradients in the backward of the last micro-batch only.
+                with loop.model.no_sync() if ddp and not last else contextlib.nullcontext():  # type: ignore[operator]
+                    with loop.autocast():
+                        loss = loop.task.loss(loop.model, batch)
+                    scaled = loss / len(micro_batches)
+                    (loop.scaler.scale(scaled) if loop.scaler else scaled).backward()
+                loss_sum += loss.detach().float()
+            mean_loss, preempted = _agree(loop, loss_sum / len(micro_batches))
+            if not math.isfinite(mean_loss):
+                loop.optimizer.zero_grad(set_to_none=True)
+                s.train_clock.stop()
+                return "diverged"
+            if loop.scaler is not None:
+                loop.scaler.unscale_(loop.optimizer)
+            if loop.grad_clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(loop.module.parameters(), loop.grad_clip_norm)
+            if loop.precond is not None:
+                loop.precond.step()
+            if loop.scaler is not None:
+                loop.scaler.step(loop.optimizer)
+                loop.scaler.update()
+            else:
+                loop.optimizer.step()
+            loop.optimizer.zero_grad(set_to_none=True)
+            loop.scheduler.step()
+            s.step += 1
+            s.micro_in_epoch += len(micro_batches)
+            s.samples += examples * loop.world_size
+            if loop.device.type == "cuda":
+                torch.cuda.synchronize(loop.device)
+            s.throughput.add(time.perf_counter() - t0, examples * loop.world_size)
+            loop.recorder.on_step(mean_loss, loop.optimizer.param_groups[0]["lr"])
+            if _due(s.step, loop.eval_every_steps):
+                evaluate(loop)
+                s.train_clock.start()
+                if loop.stop_at_target and loop.tracker.reached:
+                    loop.checkpoints.save(s.step)
+                    return "success"
+            if _due(s.step, loop.checkpoint_every_steps):
+                s.train_clock.stop()
+                loop.checkpoints.save(s.step)
+                s.train_clock.start()
+            if preempted:
+                s.train_clock.stop()
+                loop.checkpoints.save(s.step)
+                return "preempted"
+            if s.step >= loop.max_steps:
+                break
+        s.train_clock.stop()
+        if s.step >= loop.max_steps and s.micro_in_epoch < loop.micro_per_epoch:
+            break  # a step budget ended mid-epoch
+        s.epoch += 1
+        s.micro_in_epoch = 0
+        finished = s.epoch >= loop.epochs or s.step >= loop.max_steps
+        if (_due(s.epoch, loop.eval_every_epochs) or finished) and s.last_eval_step != s.step:
+            evaluate(loop)
+            if loop.stop_at_target and loop.tracker.reached:
+                loop.checkpoints.save(s.step)
+                return "success"
+        if _due(s.epoch, loop.checkpoint_every_epochs) and not finished:
+            loop.checkpoints.save(s.step)
+    if s.last_eval_step != s.step:
+        evaluate(loop)
+    loop.checkpoints.save(s.step)
+    return "success" if loop.tracker.reached or not loop.tracker.targets else "target_not_reached"
+
+
+def _agree(loop: Loop, local_loss: torch.Tensor) -> tuple[float, bool]:
+    """(mean loss over ranks, whether any rank was asked to stop): one collective decides for every rank,
+    divergence (a NaN spreads through the sum) and preemption alike."""
     stats = torch.stack(
-        [
-            loss_sum / len(micro_batches),
-            torch.tensor(float(loop.preempt.signum is not None), device=loop.device),
-        ]
+        [local_loss, torch.tensor(float(loop.preempt.signum is not None), device=loop.device)]
     )
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(stats)
         stats[0] /= loop.world_size
-    mean_loss, preempted = float(stats[0]), bool(stats[1] > 0)
-    if not math.isfinite(mean_loss):
-        loop.optimizer.zero_grad(set_to_none=True)
-        return mean_loss, preempted, examples
-    if loop.scaler is not None:
-        loop.scaler.unscale_(loop.optimizer)
-    if loop.grad_clip_norm is not None:
-        torch.nn.utils.clip_grad_norm_(loop.module.parameters(), loop.grad_clip_norm)
-    if loop.precond is not None:
-        loop.precond.step()
-    if loop.scaler is not None:
-        loop.scaler.step(loop.optimizer)
-        loop.scaler.update()
-    else:
-        loop.optimizer.step()
-    loop.optimizer.zero_grad(set_to_none=True)
-    return mean_loss, preempted, examples
+    return float(stats[0]), bool(stats[1] > 0)
 
 
 def _epoch_batches(loop: Loop) -> Iterator[list[Any]]:
@@ -152,7 +197,7 @@ class FirstBatches:
 
 
 def evaluate(loop: Loop) -> dict[str, Any]:
-    """Evaluate, record the result (sinks, tracker) and return the record."""
+    """Evaluate, record the result (tracker, then recorder) and return the record."""
     s = loop.state
     s.train_clock.stop()
     loader: Any = loop.eval_loader
@@ -169,69 +214,9 @@ def evaluate(loop: Loop) -> dict[str, Any]:
     }
     s.last_eval_step = s.step
     loop.tracker.update(record)
-    loop.on_eval(record)
+    loop.recorder.on_eval(record)
     return record
 
 
 def _due(count: int, every: int | None) -> bool:
     return bool(every) and count % every == 0  # type: ignore[operator]
-
-
-def train(loop: Loop) -> str:
-    """Run until the epoch/step budget, the target (with ``stop_at_target``), divergence or preemption.
-
-    Returns:
-        The run status: ``success``, ``target_not_reached``, ``diverged`` or ``preempted``.
-    """
-    s = loop.state
-    s.wall.start()
-    loop.module.train()
-    while s.epoch < loop.epochs and s.step < loop.max_steps:
-        s.train_clock.start()
-        for micro_batches in _epoch_batches(loop):
-            t0 = time.perf_counter()
-            loss, preempted, examples = optimizer_step(loop, micro_batches)
-            if not math.isfinite(loss):
-                s.train_clock.stop()
-                return "diverged"
-            loop.scheduler.step()
-            s.step += 1
-            s.micro_in_epoch += len(micro_batches)
-            s.samples += examples * loop.world_size
-            if loop.device.type == "cuda":
-                torch.cuda.synchronize(loop.device)
-            s.throughput.add(time.perf_counter() - t0, examples * loop.world_size)
-            loop.on_log({"loss": loss, "lr": loop.optimizer.param_groups[0]["lr"]})
-            if _due(s.step, loop.eval_every_steps):
-                evaluate(loop)
-                s.train_clock.start()
-                if loop.stop_at_target and loop.tracker.reached:
-                    loop.checkpoint()
-                    return "success"
-            if _due(s.step, loop.checkpoint_every_steps):
-                s.train_clock.stop()
-                loop.checkpoint()
-                s.train_clock.start()
-            if preempted:
-                s.train_clock.stop()
-                loop.checkpoint()
-                return "preempted"
-            if s.step >= loop.max_steps:
-                break
-        s.train_clock.stop()
-        if s.step >= loop.max_steps and s.micro_in_epoch < loop.micro_per_epoch:
-            break  # a step budget ended mid-epoch
-        s.epoch += 1
-        s.micro_in_epoch = 0
-        finished = s.epoch >= loop.epochs or s.step >= loop.max_steps
-        if (_due(s.epoch, loop.eval_every_epochs) or finished) and s.last_eval_step != s.step:
-            evaluate(loop)
-            if loop.stop_at_target and loop.tracker.reached:
-                loop.checkpoint()
-                return "success"
-        if _due(s.epoch, loop.checkpoint_every_epochs) and not finished:
-            loop.checkpoint()
-    if s.last_eval_step != s.step:
-        evaluate(loop)
-    loop.checkpoint()
-    return "success" if loop.tracker.reached or not loop.tracker.targets else "target_not_reached"

@@ -1,436 +1,79 @@
-"""One run: build everything from the config, resume if the run directory has a checkpoint, run the loop,
-write the summary. :func:`run` is what ``kfac-bench train`` calls in every rank.
-"""
+"""One run, in every rank: build -> resume -> loop -> report. :func:`train` is what ``kfac-bench train``
+calls (directly, or in each rank that ``launcher=torchrun`` starts)."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import os
-import random
-import sys
-import time
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
 
-from kfac_bench.config.schema import Precision
-from kfac_bench.errors import ConfigError
-from kfac_bench.metrics import sinks, summary
-from kfac_bench.metrics.progress import Progress
-from kfac_bench.metrics.tracker import Clock, TargetTracker, Throughput
-from kfac_bench.train import checkpoint as ckpt
+from kfac_bench.metrics import summary
 from kfac_bench.train import distributed
-from kfac_bench.train.data import build, build_loaders, build_splits
-from kfac_bench.train.kfac_adapter import build_preconditioner
-from kfac_bench.train.loop import Loop, TrainState, train
-from kfac_bench.train.optim import build_lr_scheduler, build_optimizer, lr_factor
-from kfac_bench.train.signals import EXIT_REQUEUE, PreemptionFlag
+from kfac_bench.train.build import build_run
+from kfac_bench.train.loop import run_loop
+from kfac_bench.train.signals import EXIT_REQUEUE
 
-__all__ = ["EXIT_CODES", "accumulation_steps", "run"]
+__all__ = ["EXIT_CODES", "train"]
 
 #: Process exit status per run status. A diverged run is a result (status in summary.json), not a crash,
 #: so it exits 0 and a torchrun restart does not replay it.
 EXIT_CODES = {"success": 0, "target_not_reached": 0, "diverged": 0, "preempted": EXIT_REQUEUE}
 
 
-def accumulation_steps(
-    batch_size: int, world_size: int, global_batch: int | None, default: int
-) -> int:
-    """Micro-batches per optimizer step: ``global / (batch_size * world)`` if a global batch is set.
-
-    ``global_batch = batch_size * world_size * steps`` exactly (NVIDIA's BERT recipe and the paper fix the
-    global batch: 65536 in phase 1, 32768 in phase 2; e.g. local 64 on 16 GPUs gives 64 micro-steps).
-
-    Raises:
-        ConfigError: a non-positive size, or ``global_batch`` not a multiple of ``batch_size * world_size``
-            (the message names the nearest local batches that fit).
-    """
-    if global_batch is None:
-        return default
-    if min(global_batch, batch_size, world_size) < 1:
-        raise ConfigError(
-            f"batch sizes and world size must be positive, got train.global_batch_size={global_batch}, "
-            f"train.batch_size={batch_size}, world_size={world_size}"
-        )
-    per_step = batch_size * world_size
-    if global_batch % per_step == 0:
-        return global_batch // per_step
-    if global_batch % world_size:
-        raise ConfigError(
-            f"train.global_batch_size={global_batch} is not a multiple of world size {world_size}: "
-            "choose a global batch or a number of processes that divides it"
-        )
-    per_rank = global_batch // world_size
-    fits = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
-    below = max((d for d in fits if d < batch_size), default=None)
-    above = min((d for d in fits if d > batch_size), default=None)
-    options = " or ".join(str(d) for d in (below, above) if d is not None)
-    raise ConfigError(
-        f"train.global_batch_size={global_batch} is not a multiple of local batch {batch_size} x world "
-        f"size {world_size} = {per_step}: use a train.batch_size that divides {per_rank}, e.g. {options}"
-    )
-
-
-def _seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def _set_threads(threads: int | None, device: torch.device) -> None:
-    if threads is None and device.type == "cpu":
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        threads = max(1, (os.cpu_count() or 1) // local_world)
-    if threads is not None:
-        torch.set_num_threads(threads)
-
-
-def _autocast(device: torch.device, precision: Precision) -> Any:
-    if device.type != "cuda" or precision is Precision.fp32:
-        return contextlib.nullcontext
-    dtype = torch.bfloat16 if precision is Precision.bf16 else torch.float16
-    return functools.partial(torch.autocast, device_type="cuda", dtype=dtype)
-
-
-def _stage_times(precond: Any, offset: dict[str, float]) -> dict[str, float]:
-    current = (
-        precond.stage_times() if precond is not None and hasattr(precond, "stage_times") else {}
-    )
-    keys = set(offset) | set(current)
-    return {k: offset.get(k, 0.0) + float(current.get(k, 0.0)) for k in sorted(keys)}
-
-
-def run(cfg: DictConfig, run_dir: Path) -> int:
+def train(cfg: DictConfig, run_dir: Path) -> int:
     """Train as configured, writing everything under ``run_dir``; returns the process exit status."""
     env = distributed.detect()
-    t = cfg.train
-    device = distributed.pick_device(str(t.device.value), env)
+    device = distributed.pick_device(str(cfg.train.device.value), env)
     distributed.setup(env, device)
     try:
-        return _run(cfg, Path(run_dir), env, device)
+        return _train(cfg, Path(run_dir), env, device)
     finally:
         distributed.cleanup()
 
 
-def _run(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv, device: torch.device) -> int:
-    t = cfg.train
-    main = env.is_main
-    _set_threads(t.cpu_threads, device)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _seed(t.seed)
-    splits = build_splits(cfg.dataset)
-    task = build(cfg.task)
-    module: nn.Module = build(cfg.model).to(device)
-    _seed(t.seed + env.rank)  # per-rank streams for augmentation/dropout; the model init is shared
-    accum = accumulation_steps(
-        t.batch_size, env.world_size, t.global_batch_size, t.accumulation_steps
-    )
-    train_loader, eval_loader, sampler = build_loaders(
-        splits,
-        t.batch_size,
-        env.world_size,
-        env.rank,
-        t.seed,
-        t.num_workers,
-        pin_memory=device.type == "cuda",
-        eval_batch_size=t.eval_batch_size,
-    )
-    micro = sampler.num_samples // t.batch_size
-    if t.limit_train_batches is not None:
-        micro = min(micro, t.limit_train_batches)
-    micro -= micro % accum
-    steps_per_epoch = micro // accum
-    if steps_per_epoch == 0:
-        raise ConfigError(
-            f"an epoch has no optimizer step: {sampler.num_samples} examples per rank, batch_size "
-            f"{t.batch_size}, accumulation {accum}"
-        )
-    max_steps = min(t.epochs * steps_per_epoch, t.max_steps or sys.maxsize)
-    precision = Precision(t.precision)
-    scaler = (
-        torch.amp.GradScaler("cuda")
-        if device.type == "cuda" and precision is Precision.fp16
-        else None
-    )
-    optimizer = build_optimizer(module, cfg.optimizer, env.world_size)
-    factor = lr_factor(cfg.lr_schedule, steps_per_epoch, max_steps, env.world_size)
-    scheduler = build_lr_scheduler(optimizer, factor)
-    precond = build_preconditioner(
-        module,
-        cfg.kfac,
-        steps_per_epoch=steps_per_epoch,
-        world_size=env.world_size,
-        accumulation_steps=accum,
-        lr=lambda step: optimizer.param_groups[0]["lr"],
-        grad_scaler=scaler,
-    )
-    model: nn.Module = module
-    if env.distributed:
-        model = nn.parallel.DistributedDataParallel(
-            module,
-            device_ids=[device] if device.type == "cuda" else None,
-            find_unused_parameters=t.find_unused_parameters,
-        )
-    state = TrainState()
-    tracker = TargetTracker(dict(t.targets), task.target_metric, bool(task.higher_is_better))
-    stage_offset: dict[str, float] = {}
-    path = ckpt.checkpoint_path(run_dir)
-    saved = ckpt.load(path) if t.resume else None
-    if saved is not None:
-        module.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        if scaler is not None and saved.get("scaler"):
-            scaler.load_state_dict(saved["scaler"])
-        if precond is not None and saved.get("precond") is not None:
-            precond.load_state_dict(saved["precond"])
-        s = saved["state"]
-        same_world = saved["world_size"] == env.world_size
-        state = TrainState(
-            epoch=s["epoch"],
-            step=s["step"],
-            micro_in_epoch=s["micro_in_epoch"] if same_world else 0,
-            samples=s["samples"],
-            wall=Clock(s["wall_time_s"]),
-            train_clock=Clock(s["train_time_s"]),
-            throughput=Throughput(**s["throughput"]),
-            last_eval_step=s["last_eval_step"],
-        )
-        tracker.load_state_dict(saved["tracker"])
-        stage_offset = saved.get("kfac_stage_times", {})
-        rngs = saved["rng"]
-        ckpt.set_rng_state(rngs[env.rank] if same_world else rngs[0])
+def _train(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv, device: torch.device) -> int:
+    run = build_run(cfg, run_dir, env, device)
+    loop, state = run.loop, run.loop.state
 
-    jsonl = sinks.JsonlSink(run_dir / sinks.EVAL_FILE) if main else None
-    tb = sinks.TensorBoardSink(run_dir / "tb") if main and t.tensorboard else None
-    mlperf = (
-        sinks.MLPerfSink(run_dir / sinks.MLPERF_FILE, t.benchmark_name)
-        if main and t.mlperf_log
-        else None
-    )
-    global_batch = t.batch_size * accum * env.world_size
-    if main:
+    resumed = run.checkpoints.load() if cfg.train.resume else False
+    if env.is_main:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         print(
             f"kfac-bench: run dir {run_dir} | world {env.world_size} on {device} | "
-            f"kfac {'on' if precond is not None else 'off'} | {steps_per_epoch} steps/epoch, "
-            f"global batch {global_batch}" + (f" | resumed at step {state.step}" if saved else ""),
+            f"kfac {'on' if loop.precond is not None else 'off'} | "
+            f"{run.plan.steps_per_epoch} steps/epoch, global batch {run.plan.global_batch}"
+            + (f" | resumed at step {state.step}" if resumed else ""),
             flush=True,
         )
-    if mlperf:
-        mlperf.run_start(global_batch, resumed=saved is not None)
-    progress = Progress(str(t.progress.value), max_steps, t.log_every_steps, enabled=main)
-    window = {"loss": 0.0, "n": 0, "t": time.perf_counter(), "samples": state.samples}
-    stage_prev = _stage_times(precond, stage_offset)
-    last_metric: dict[str, float] = {}
+    run.recorder.start(run.plan.global_batch, resumed)
 
-    def on_log(stats: dict[str, Any]) -> None:
-        window["loss"] += stats["loss"]
-        window["n"] += 1
-        if state.step % max(t.log_every_steps, 1) and state.step != max_steps:
-            return
-        now = time.perf_counter()
-        rate = (state.samples - window["samples"]) / max(now - window["t"], 1e-9)
-        loss = window["loss"] / window["n"]
-        shown = {"loss": loss, "lr": stats["lr"], "samples/s": rate, **last_metric}
-        mean = state.throughput.mean_step_time_s
-        progress.update(
-            state.step, state.epoch, shown, mean * (max_steps - state.step) if mean else None
-        )
-        if tb is not None:
-            scalars = {"train/loss": loss, "train/lr": stats["lr"], "train/samples_per_s": rate}
-            nonlocal stage_prev
-            stages = _stage_times(precond, stage_offset)
-            for k, v in stages.items():
-                scalars[f"kfac/{k}_s_per_step"] = (v - stage_prev.get(k, 0.0)) / window["n"]
-            stage_prev = stages
-            tb.scalars(scalars, state.step)
-        window.update(loss=0.0, n=0, t=now, samples=state.samples)
-
-    def on_eval(record: dict[str, Any]) -> None:
-        last_metric.clear()
-        if tracker.primary in record["metrics"]:
-            last_metric[tracker.primary] = record["metrics"][tracker.primary]
-        if not main:
-            return
-        assert jsonl is not None
-        jsonl.write(record)
-        progress.message(
-            f"eval step {record['step']} epoch {record['epoch']:.2f}: "
-            + " ".join(f"{k} {v:.4f}" for k, v in record["metrics"].items())
-            + f" (train {record['train_time_s']:.1f}s, wall {record['wall_time_s']:.1f}s)"
-        )
-        if tb is not None:
-            tb.scalars({f"eval/{k}": v for k, v in record["metrics"].items()}, record["step"])
-        if mlperf is not None and tracker.primary in record["metrics"]:
-            mlperf.eval(
-                tracker.primary,
-                record["metrics"][tracker.primary],
-                record["epoch"],
-                record["samples"],
-            )
-
-    def save() -> None:
-        rng = ckpt.rng_state()
-        rngs: list[Any] = [None] * env.world_size
-        if env.distributed:
-            dist.all_gather_object(rngs, rng)
-        else:
-            rngs = [rng]
-        # Collective under torch.distributed (the engine gathers decompositions): every rank calls it.
-        precond_state = (
-            precond.state_dict(include_decompositions=True) if precond is not None else None
-        )
-        if main:
-            ckpt.save_atomic(
-                {
-                    "model": module.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "scaler": scaler.state_dict() if scaler is not None else None,
-                    "precond": precond_state,
-                    "state": {
-                        "epoch": state.epoch,
-                        "step": state.step,
-                        "micro_in_epoch": state.micro_in_epoch,
-                        "samples": state.samples,
-                        "wall_time_s": state.wall.elapsed,
-                        "train_time_s": state.train_clock.elapsed,
-                        "last_eval_step": state.last_eval_step,
-                        "throughput": vars(state.throughput),
-                    },
-                    "tracker": tracker.state_dict(),
-                    "kfac_stage_times": _stage_times(precond, stage_offset),
-                    "rng": rngs,
-                    "world_size": env.world_size,
-                },
-                path,
-            )
-        if env.distributed:
-            dist.barrier()
-
-    preempt = PreemptionFlag().install()
-    loop = Loop(
-        model=model,
-        module=module,
-        task=task,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        precond=precond,
-        scaler=scaler,
-        autocast=_autocast(device, precision),
-        device=device,
-        train_loader=train_loader,
-        eval_loader=eval_loader,
-        sampler=sampler,
-        state=state,
-        tracker=tracker,
-        accumulation_steps=accum,
-        micro_per_epoch=micro,
-        epochs=t.epochs,
-        max_steps=max_steps,
-        world_size=env.world_size,
-        batch_size=t.batch_size,
-        preempt=preempt,
-        on_eval=on_eval,
-        on_log=on_log,
-        checkpoint=save,
-        grad_clip_norm=t.grad_clip_norm,
-        eval_every_epochs=t.eval_every_epochs,
-        eval_every_steps=t.eval_every_steps,
-        checkpoint_every_epochs=t.checkpoint_every_epochs,
-        checkpoint_every_steps=t.checkpoint_every_steps,
-        stop_at_target=t.stop_at_target,
-        limit_eval_batches=t.limit_eval_batches,
-    )
+    status: str | None = None
+    loop.preempt.install()
     try:
-        status = train(loop)
+        status = run_loop(loop)
     finally:
-        preempt.restore()
-        progress.close()
+        loop.preempt.restore()
+        run.recorder.close(status)
     state.wall.stop()
-    if main:
-        result = _summary(
-            cfg, status, state, tracker, precond, stage_offset, env, device, steps_per_epoch
+
+    if env.is_main:
+        result = summary.run_summary(
+            name=cfg.name,
+            status=status,
+            tracker=loop.tracker,
+            steps=state.step,
+            steps_per_epoch=run.plan.steps_per_epoch,
+            samples=state.samples,
+            wall_time_s=state.wall.elapsed,
+            train_time_s=state.train_clock.elapsed,
+            throughput=state.throughput,
+            stage_times_s=run.stages.totals(),
+            precond=loop.precond,
+            world_size=env.world_size,
+            device=device,
+            config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
         )
         summary.write_summary(run_dir, result)
-        _report(result, run_dir)
-    if mlperf is not None:
-        mlperf.run_stop(status)
-        mlperf.close()
-    if tb is not None:
-        tb.close()
+        print(summary.report_line(result, run_dir), flush=True)
     return EXIT_CODES[status]
-
-
-def _summary(
-    cfg: DictConfig,
-    status: str,
-    state: TrainState,
-    tracker: TargetTracker,
-    precond: Any,
-    stage_offset: dict[str, float],
-    env: distributed.DistEnv,
-    device: torch.device,
-    steps_per_epoch: int,
-) -> dict[str, Any]:
-    reached = tracker.reached
-    stages = _stage_times(precond, stage_offset)
-    train_s = state.train_clock.elapsed
-    return {
-        "name": cfg.name,
-        "status": status,
-        "target_metric": tracker.primary,
-        "targets": tracker.targets,
-        "target_value": tracker.targets.get(tracker.primary),
-        "higher_is_better": tracker.higher_is_better,
-        "reached_target": reached is not None,
-        "time_to_target_s": reached["wall_time_s"] if reached else None,
-        "train_time_to_target_s": reached["train_time_s"] if reached else None,
-        "epochs_to_target": reached["epoch"] if reached else None,
-        "steps_to_target": reached["step"] if reached else None,
-        "best_metric": tracker.best,
-        "best_metric_epoch": tracker.best_record.get("epoch"),
-        "final_metrics": tracker.last.get("metrics"),
-        "steps": state.step,
-        "epochs": state.step / steps_per_epoch,
-        "samples": state.samples,
-        "wall_time_s": state.wall.elapsed,
-        "train_time_s": train_s,
-        "mean_step_time_s": state.throughput.mean_step_time_s,
-        "samples_per_s": state.throughput.samples_per_s,
-        "kfac_enabled": precond is not None,
-        "kfac_stage_times_s": stages,
-        "kfac_time_fraction": (sum(stages.values()) / train_s) if stages and train_s > 0 else None,
-        "kfac_memory_bytes": precond.memory_usage()
-        if precond is not None and hasattr(precond, "memory_usage")
-        else None,
-        "peak_memory_bytes": summary.peak_memory_bytes(device),
-        "world_size": env.world_size,
-        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
-        "config": OmegaConf.to_container(cfg, resolve=True),
-        "git_commit": summary.git_commit(),
-        "torch_version": torch.__version__,
-    }
-
-
-def _report(result: dict[str, Any], run_dir: Path) -> None:
-    metric = result["target_metric"]
-    if result["reached_target"]:
-        line = (
-            f"time-to-target: {result['time_to_target_s']:.1f} s "
-            f"({result['epochs_to_target']:.2f} epochs) for {metric} >= {result['target_value']}"
-        )
-    elif result["targets"]:
-        line = (
-            f"target {metric} {result['target_value']} not reached (best {result['best_metric']})"
-        )
-    else:
-        line = f"no target set (best {metric} {result['best_metric']})"
-    print(f"kfac-bench: {result['status']} | {line} | run dir {run_dir}", flush=True)

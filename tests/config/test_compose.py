@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
 from kfac_bench.config import config_dir, recipes_dir
 from kfac_bench.config.compose import compose_run
@@ -65,11 +66,51 @@ def test_a_selected_recipe_replaces_the_default_one_as_a_whole() -> None:
     assert list(default.lr_schedule.milestones) == [5, 8] and dict(default.train.targets) == {
         "top1": 0.985
     }
-    for form in ("+recipe=digits_smoke", "recipe=digits_smoke", "++recipe=digits_smoke"):
+    assert default.train.cpu_threads == 1
+    for form in (
+        "+recipe=resnet32_cifar10",
+        "recipe=resnet32_cifar10",
+        "++recipe=resnet32_cifar10",
+    ):
         cfg = compose_run([form])
-        # Nothing of the digits recipe leaks in: keys it sets and the smoke recipe does not are defaults.
-        assert list(cfg.lr_schedule.milestones) == [] and dict(cfg.train.targets) == {"top1": 0.45}
-        assert cfg.name == "digits_smoke"
+        # Nothing of the digits recipe leaks in: keys it sets and this recipe does not are defaults.
+        assert cfg.train.cpu_threads is None and dict(cfg.train.targets) == {"top1": 0.9249}
+        assert cfg.name == "resnet32_cifar10"
+
+
+SMOKE_TWINS = [n for n in recipe_names() if n.endswith("_smoke")]
+
+
+def _leaves(node: object, prefix: str = "") -> dict[str, object]:
+    if not isinstance(node, dict):
+        return {prefix: node}
+    out: dict[str, object] = {}
+    for key, value in node.items():
+        out.update(_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+@pytest.mark.parametrize("twin", SMOKE_TWINS)
+def test_smoke_twins_are_deltas_over_their_full_recipe(twin: str) -> None:
+    parent = twin.removesuffix("_smoke")
+    data = yaml.safe_load((recipes_dir() / f"{twin}.yaml").read_text())
+    defaults = data.pop("defaults")
+    assert defaults[0] == parent and defaults[-1] == "_self_"
+    assert all(
+        isinstance(d, dict) and next(iter(d)).startswith("override /") for d in defaults[1:-1]
+    )
+    # The full recipe is the single source of its numbers: a twin never restates one of them (a copy would
+    # silently keep the old value when the full recipe changes).
+    full = _leaves(OmegaConf.to_container(compose_run([f"+recipe={parent}"]), resolve=False))
+    restated = {k: v for k, v in _leaves(data).items() if k in full and full[k] == v}
+    assert not restated, f"{twin} restates {parent}'s values: {restated}"
+    # ...and every full-recipe value the twin does not set reaches the twin.
+    own = _leaves(data)
+    smoke = _leaves(OmegaConf.to_container(compose_run([f"+recipe={twin}"]), resolve=False))
+    overridden = {next(iter(d)).removeprefix("override /") for d in defaults[1:-1]}
+    for key, value in full.items():
+        if key not in own and key.split(".")[0] not in overridden and key != "name":
+            assert smoke[key] == value, (twin, key)
 
 
 def test_default_job_is_digits_with_kfac() -> None:

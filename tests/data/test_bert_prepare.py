@@ -10,8 +10,9 @@ import h5py
 import numpy as np
 import pytest
 
+from kfac_bench.commands.prepare_bert import main
 from kfac_bench.data.bert_corpus import SPECIAL_TOKENS, pydoc_documents, write_pydoc_corpus
-from kfac_bench.data.bert_prepare import main, prepare_shards
+from kfac_bench.data.bert_prepare import prepare_shards
 from kfac_bench.data.bert_smoke import prepare_pydoc_shards
 from kfac_bench.errors import ConfigError, DatasetError
 
@@ -194,7 +195,8 @@ def test_deterministic_and_cli_in_fresh_process(prepared, tmp_path: Path, capsys
         [
             sys.executable,
             "-m",
-            "kfac_bench.data.bert_prepare",
+            "kfac_bench.cli",
+            "prepare-bert",
             *args,
             "--output-dir",
             str(tmp_path / "b"),

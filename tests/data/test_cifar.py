@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kfac_bench.data.cifar import build_cifar10
-from kfac_bench.data.fixtures import write_tiny_cifar10
+from kfac_bench.data.cifar import cifar10_split, write_tiny_cifar10
 from kfac_bench.errors import DatasetError
 
 # The reference CIFAR script's normalisation constants, typed here independently of the code.
@@ -44,7 +43,7 @@ def copy_tree(src: Path, dst: Path) -> Path:
 
 
 def test_test_split_is_the_normalised_release_content(cifar_root: Path) -> None:
-    ds = build_cifar10(str(cifar_root), train=False)
+    ds = cifar10_split(str(cifar_root), train=False)
     raw, labels = read_release(cifar_root, ["test_batch"])
     assert len(ds) == 30
     for i in (0, 7, 29):
@@ -56,7 +55,7 @@ def test_test_split_is_the_normalised_release_content(cifar_root: Path) -> None:
 
 
 def test_train_split_reads_all_five_batches_in_order(cifar_root: Path) -> None:
-    ds = build_cifar10(cifar_root, train=True, augment=False)
+    ds = cifar10_split(cifar_root, train=True, augment=False)
     _, labels = read_release(cifar_root, [f"data_batch_{i}" for i in range(1, 6)])
     assert len(ds) == 100
     assert [ds[i][1] for i in range(len(ds))] == labels
@@ -73,7 +72,7 @@ def test_files_are_readable_by_torchvision(
 
     monkeypatch.setattr(tv_cifar, "check_integrity", lambda *a, **k: True)
     tv = tv_cifar.CIFAR10(str(cifar_root), train=True, download=False)
-    ours = build_cifar10(cifar_root, train=True, augment=False)
+    ours = cifar10_split(cifar_root, train=True, augment=False)
     assert tv.targets == ours.targets  # type: ignore[attr-defined]
     assert np.array_equal(tv.data, ours.data.permute(0, 2, 3, 1).numpy())  # type: ignore[attr-defined]
     assert tv.classes == ours.classes  # type: ignore[attr-defined]
@@ -81,7 +80,7 @@ def test_files_are_readable_by_torchvision(
 
 def test_train_augmentation_is_a_padded_crop_or_its_mirror(cifar_root: Path) -> None:
     torch.manual_seed(0)
-    ds = build_cifar10(cifar_root, train=True, augment=True)
+    ds = cifar10_split(cifar_root, train=True, augment=True)
     raw, _ = read_release(cifar_root, ["data_batch_1"])
     normalised = (torch.from_numpy(raw[0]).float() / 255 - MEAN) / STD
     # Zero padding happens before normalisation: the border is (0 - mean) / std.
@@ -97,13 +96,13 @@ def test_train_augmentation_is_a_padded_crop_or_its_mirror(cifar_root: Path) -> 
 
 
 def test_root_may_point_at_the_batches_directory(cifar_root: Path) -> None:
-    assert len(build_cifar10(cifar_root / BATCHES, train=False)) == 30
+    assert len(cifar10_split(cifar_root / BATCHES, train=False)) == 30
 
 
 def test_missing_root_names_path_layout_and_source(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere"
     with pytest.raises(DatasetError) as info:
-        build_cifar10(missing, train=True)
+        cifar10_split(missing, train=True)
     message = str(info.value)
     assert str(missing) in message
     assert "cifar-10-batches-py" in message and "data_batch_1" in message
@@ -113,29 +112,29 @@ def test_missing_root_names_path_layout_and_source(tmp_path: Path) -> None:
 
 def test_unset_root_is_a_dataset_error() -> None:
     with pytest.raises(DatasetError, match=r"dataset\.root"):
-        build_cifar10(None, train=True)
+        cifar10_split(None, train=True)
 
 
 def test_root_without_batches_directory(tmp_path: Path) -> None:
     (tmp_path / "cifar-10-python").mkdir()  # e.g. extracted to the wrong name
     with pytest.raises(DatasetError) as info:
-        build_cifar10(tmp_path, train=False)
+        cifar10_split(tmp_path, train=False)
     assert str(tmp_path / BATCHES) in str(info.value)
 
 
 def test_missing_batch_file_is_named(cifar_root: Path, tmp_path: Path) -> None:
     root = copy_tree(cifar_root, tmp_path / "c")
     os.remove(root / BATCHES / "data_batch_4")
-    assert len(build_cifar10(root, train=False)) == 30  # the test split is still complete
+    assert len(cifar10_split(root, train=False)) == 30  # the test split is still complete
     with pytest.raises(DatasetError, match="missing data_batch_4"):
-        build_cifar10(root, train=True)
+        cifar10_split(root, train=True)
 
 
 def test_garbage_file_is_a_dataset_error_naming_it(cifar_root: Path, tmp_path: Path) -> None:
     root = copy_tree(cifar_root, tmp_path / "c")
     (root / BATCHES / "test_batch").write_bytes(b"<html>404 Not Found</html>")
     with pytest.raises(DatasetError) as info:
-        build_cifar10(root, train=False)
+        cifar10_split(root, train=False)
     assert str(root / BATCHES / "test_batch") in str(info.value)
 
 
@@ -156,7 +155,7 @@ def test_malformed_batch_contents(
     with open(root / BATCHES / "test_batch", "wb") as f:
         pickle.dump(batch, f, protocol=2)
     with pytest.raises(DatasetError) as info:
-        build_cifar10(root, train=False)
+        cifar10_split(root, train=False)
     assert problem in str(info.value)
     assert "test_batch" in str(info.value)
 
@@ -177,16 +176,20 @@ def test_pickle_with_foreign_globals_is_refused_without_running(
     with open(root / BATCHES / "test_batch", "wb") as f:
         pickle.dump({b"data": _Payload(marker), b"labels": []}, f, protocol=2)
     with pytest.raises(DatasetError, match="not allowed"):
-        build_cifar10(root, train=False)
+        cifar10_split(root, train=False)
     assert not marker.exists()
 
 
 def test_worker_processes_deliver_the_same_eval_batches(cifar_root: Path) -> None:
-    from kfac_bench.data.loader import build_loader
+    from kfac_bench.data.base import DataSplits
+    from kfac_bench.data.loader import build_loaders
 
-    ds = build_cifar10(cifar_root, train=False)
-    inline = list(build_loader(ds, batch_size=8, train=False))
-    workers = list(build_loader(ds, batch_size=8, train=False, num_workers=2))
+    ds = cifar10_split(cifar_root, train=False)
+    _, inline, _ = build_loaders(DataSplits(ds, ds), batch_size=8, world_size=1, rank=0, seed=0)
+    _, workers, _ = build_loaders(
+        DataSplits(ds, ds), batch_size=8, world_size=1, rank=0, seed=0, num_workers=2
+    )
+    inline, workers = list(inline), list(workers)
     assert len(inline) == len(workers) == 4
     for (xa, ya), (xb, yb) in zip(inline, workers, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
@@ -202,6 +205,6 @@ def test_pickles_written_with_numpy_1_module_paths_are_read(
     raw = path.read_bytes()
     path.write_bytes(raw.replace(b"cnumpy._core.multiarray\n", b"cnumpy.core.multiarray\n"))
     assert b"cnumpy.core.multiarray\n_reconstruct\n" in path.read_bytes()
-    original = build_cifar10(cifar_root, train=False)
-    patched = build_cifar10(root, train=False)
+    original = cifar10_split(cifar_root, train=False)
+    patched = cifar10_split(root, train=False)
     assert torch.equal(original.data, patched.data)  # type: ignore[attr-defined]

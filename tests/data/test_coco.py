@@ -11,7 +11,7 @@ import torch
 from pycocotools import mask as mask_utils
 from torch.utils.data import DataLoader
 
-from kfac_bench.data.coco import annotation_to_mask, build_coco, collate_detection
+from kfac_bench.data.coco import annotation_to_mask, coco_split, collate_detection
 from kfac_bench.data.coco_fixtures import (
     BACKGROUND,
     CATEGORY_COLOURS,
@@ -52,7 +52,7 @@ def test_fixture_exercises_every_annotation_form(tiny: tuple[Path, list[TinyImag
 
 def test_eval_set_reads_drawn_shapes(tiny: tuple[Path, list[TinyImage]]) -> None:
     root, drawn = tiny
-    ds = build_coco(str(root), SPLIT, train=False)
+    ds = coco_split(str(root), SPLIT, train=False)
     assert len(ds) == len(drawn)  # evaluation keeps the image without annotations
     for index, ref in enumerate(drawn):
         image, target = ds[index]
@@ -72,7 +72,7 @@ def test_eval_set_reads_drawn_shapes(tiny: tuple[Path, list[TinyImage]]) -> None
 def test_masks_line_up_with_image_pixels(tiny: tuple[Path, list[TinyImage]]) -> None:
     """Independent of the JSON: the decoded JPEG shows each object's colour under its mask."""
     root, drawn = tiny
-    ds = build_coco(str(root), SPLIT, train=False)
+    ds = coco_split(str(root), SPLIT, train=False)
     for index, ref in enumerate(drawn):
         image, target = ds[index]
         pixels = (image * 255).permute(1, 2, 0)
@@ -96,7 +96,7 @@ def test_masks_line_up_with_image_pixels(tiny: tuple[Path, list[TinyImage]]) -> 
 
 def test_train_set_drops_unannotated_images_and_crowds(tiny: tuple[Path, list[TinyImage]]) -> None:
     root, drawn = tiny
-    ds = build_coco(str(root), SPLIT, train=True, hflip_prob=0.0)
+    ds = coco_split(str(root), SPLIT, train=True, hflip_prob=0.0)
     expected_ids = [ref.image_id for ref in drawn if ref.objects]
     assert ds.ids == expected_ids and len(expected_ids) == len(drawn) - 1
     crowd_image = next(ref for ref in drawn if any(o.iscrowd for o in ref.objects))
@@ -108,8 +108,8 @@ def test_horizontal_flip_moves_image_boxes_and_masks_together(
     tiny: tuple[Path, list[TinyImage]],
 ) -> None:
     root, _ = tiny
-    plain = build_coco(str(root), SPLIT, train=True, hflip_prob=0.0)
-    flipped = build_coco(str(root), SPLIT, train=True, hflip_prob=1.0)
+    plain = coco_split(str(root), SPLIT, train=True, hflip_prob=0.0)
+    flipped = coco_split(str(root), SPLIT, train=True, hflip_prob=1.0)
     for index in range(len(plain)):
         image, target = plain[index]
         f_image, f_target = flipped[index]
@@ -127,8 +127,8 @@ def test_horizontal_flip_moves_image_boxes_and_masks_together(
 
 def test_flip_probability_half_flips_some(tiny: tuple[Path, list[TinyImage]]) -> None:
     root, _ = tiny
-    plain = build_coco(str(root), SPLIT, train=True, hflip_prob=0.0)
-    random = build_coco(str(root), SPLIT, train=True)
+    plain = coco_split(str(root), SPLIT, train=True, hflip_prob=0.0)
+    random = coco_split(str(root), SPLIT, train=True)
     torch.manual_seed(0)
     flips = [not torch.equal(random[0][0], plain[0][0]) for _ in range(40)]
     assert 5 < sum(flips) < 35
@@ -136,8 +136,8 @@ def test_flip_probability_half_flips_some(tiny: tuple[Path, list[TinyImage]]) ->
 
 def test_contiguous_labels_map_back_to_category_ids(tiny: tuple[Path, list[TinyImage]]) -> None:
     root, drawn = tiny
-    raw = build_coco(str(root), SPLIT, train=False)
-    contiguous = build_coco(str(root), SPLIT, train=False, contiguous_labels=True)
+    raw = coco_split(str(root), SPLIT, train=False)
+    contiguous = coco_split(str(root), SPLIT, train=False, contiguous_labels=True)
     assert raw.num_classes == 8 and contiguous.num_classes == 4  # categories 1, 3, 7
     assert contiguous.label_to_category_id == {1: 1, 2: 3, 3: 7}
     labels = contiguous[0][1]["labels"].tolist()
@@ -149,7 +149,7 @@ def test_contiguous_labels_map_back_to_category_ids(tiny: tuple[Path, list[TinyI
 
 def test_collate_keeps_per_image_sizes(tiny: tuple[Path, list[TinyImage]]) -> None:
     root, drawn = tiny
-    ds = build_coco(str(root), SPLIT, train=False)
+    ds = coco_split(str(root), SPLIT, train=False)
     assert ds.collate_fn is collate_detection
     images, targets = next(iter(DataLoader(ds, batch_size=4, collate_fn=collate_detection)))
     assert [im.shape[-2:] for im in images] == [(r.height, r.width) for r in drawn[:4]]
@@ -171,10 +171,10 @@ def test_annotation_to_mask_decodes_all_encodings() -> None:
 
 def test_missing_layout_is_a_dataset_error(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match=r"annotations/instances_val2017\.json"):
-        build_coco(str(tmp_path / "nowhere"), "val2017", train=False)
+        coco_split(str(tmp_path / "nowhere"), "val2017", train=False)
     (tmp_path / "val2017").mkdir()
     with pytest.raises(DatasetError, match=r"instances_val2017\.json"):
-        build_coco(str(tmp_path), "val2017", train=False)
+        coco_split(str(tmp_path), "val2017", train=False)
     write_tiny_coco(tmp_path / "other", "val2017", n_images=3)
     (tmp_path / "annotations").mkdir()
     (tmp_path / "other" / "annotations" / "instances_val2017.json").rename(
@@ -182,12 +182,12 @@ def test_missing_layout_is_a_dataset_error(tmp_path: Path) -> None:
     )
     (tmp_path / "val2017").rmdir()
     with pytest.raises(DatasetError, match=r"val2017/"):
-        build_coco(str(tmp_path), "val2017", train=False)
+        coco_split(str(tmp_path), "val2017", train=False)
 
 
 def test_missing_image_file_is_a_dataset_error(tmp_path: Path) -> None:
     drawn = write_tiny_coco(tmp_path, "val2017", n_images=3)
     (tmp_path / "val2017" / drawn[0].file_name).unlink()
-    ds = build_coco(str(tmp_path), "val2017", train=False)
+    ds = coco_split(str(tmp_path), "val2017", train=False)
     with pytest.raises(DatasetError, match=drawn[0].file_name):
         ds[0]

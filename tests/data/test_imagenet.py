@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kfac_bench.data.fixtures import class_colour, write_tiny_imagenet
-from kfac_bench.data.imagenet import build_imagenet
+from kfac_bench.data.imagenet import imagenet_split, write_tiny_imagenet
+from kfac_bench.data.synthetic import class_colour
 from kfac_bench.data.transforms import imagenet_transform
 from kfac_bench.errors import DatasetError
 
@@ -26,8 +26,8 @@ def imagenet_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_splits_sizes_shapes_and_class_order(imagenet_root: Path) -> None:
-    train = build_imagenet(imagenet_root, train=True, image_size=40, num_classes=3)
-    val = build_imagenet(str(imagenet_root), train=False, image_size=40, num_classes=3)
+    train = imagenet_split(imagenet_root, train=True, image_size=40, num_classes=3)
+    val = imagenet_split(str(imagenet_root), train=False, image_size=40, num_classes=3)
     assert len(train) == 18 and len(val) == 6
     assert train.classes == val.classes == ["n00000000", "n00000001", "n00000002"]  # type: ignore[attr-defined]
     image, _ = train[0]
@@ -38,7 +38,7 @@ def test_splits_sizes_shapes_and_class_order(imagenet_root: Path) -> None:
 
 
 def test_val_pixels_are_the_normalised_class_colour(imagenet_root: Path) -> None:
-    val = build_imagenet(imagenet_root, train=False, image_size=32, num_classes=3)
+    val = imagenet_split(imagenet_root, train=False, image_size=32, num_classes=3)
     for i in range(len(val)):
         image, label = val[i]
         expected = (torch.tensor(class_colour(label, 3), dtype=torch.float32) / 255 - MEAN) / STD
@@ -47,14 +47,14 @@ def test_val_pixels_are_the_normalised_class_colour(imagenet_root: Path) -> None
 
 
 def test_val_is_deterministic_and_train_is_augmented(imagenet_root: Path) -> None:
-    val = build_imagenet(imagenet_root, train=False, image_size=32, num_classes=3)
+    val = imagenet_split(imagenet_root, train=False, image_size=32, num_classes=3)
     assert torch.equal(val[0][0], val[0][0])
     torch.manual_seed(0)
-    train = build_imagenet(imagenet_root, train=True, image_size=32, num_classes=3)
+    train = imagenet_split(imagenet_root, train=True, image_size=32, num_classes=3)
     draws = [train[0][0] for _ in range(4)]
     assert all(d.shape == (3, 32, 32) for d in draws)
     assert any(not torch.equal(draws[0], d) for d in draws[1:])
-    plain = build_imagenet(imagenet_root, train=True, augment=False, image_size=32, num_classes=3)
+    plain = imagenet_split(imagenet_root, train=True, augment=False, image_size=32, num_classes=3)
     assert torch.equal(plain[0][0], plain[0][0])
 
 
@@ -67,16 +67,16 @@ def test_default_eval_resize_keeps_the_papers_ratio() -> None:
 
 def test_missing_root_and_split(tmp_path: Path, imagenet_root: Path) -> None:
     with pytest.raises(DatasetError) as info:
-        build_imagenet(tmp_path / "nope", train=True)
+        imagenet_split(tmp_path / "nope", train=True)
     assert str(tmp_path / "nope") in str(info.value)
     assert "<root>/train/<wnid>/*.JPEG" in str(info.value)
     assert "synthetic" in str(info.value)
 
     train_only = tmp_path / "train_only"
     shutil.copytree(imagenet_root / "train", train_only / "train")
-    assert len(build_imagenet(train_only, train=True, image_size=32, num_classes=3)) == 18
+    assert len(imagenet_split(train_only, train=True, image_size=32, num_classes=3)) == 18
     with pytest.raises(DatasetError) as info:
-        build_imagenet(train_only, train=False, num_classes=3)
+        imagenet_split(train_only, train=False, num_classes=3)
     assert str(train_only / "val") in str(info.value)
 
 
@@ -87,7 +87,7 @@ def test_flat_val_release_is_explained(tmp_path: Path, imagenet_root: Path) -> N
     for jpeg in (imagenet_root / "val").rglob("*.JPEG"):
         shutil.copy(jpeg, root / "val" / jpeg.name)
     with pytest.raises(DatasetError) as info:
-        build_imagenet(root, train=False, num_classes=None)
+        imagenet_split(root, train=False, num_classes=None)
     message = str(info.value)
     assert str(root / "val") in message
     assert "6 image files directly in it and no class folders" in message
@@ -99,7 +99,7 @@ def test_train_and_val_must_have_the_same_classes(tmp_path: Path, imagenet_root:
     shutil.rmtree(root / "val" / "n00000001")
     for train in (True, False):
         with pytest.raises(DatasetError, match="n00000001"):
-            build_imagenet(root, train=train, num_classes=None)
+            imagenet_split(root, train=train, num_classes=None)
 
 
 def test_empty_class_folder(tmp_path: Path, imagenet_root: Path) -> None:
@@ -108,11 +108,11 @@ def test_empty_class_folder(tmp_path: Path, imagenet_root: Path) -> None:
     for split in ("train", "val"):
         (root / split / "n00000009").mkdir()
     with pytest.raises(DatasetError, match="n00000009"):
-        build_imagenet(root, train=True, num_classes=4)
+        imagenet_split(root, train=True, num_classes=4)
 
 
 def test_class_count_must_match_num_classes(imagenet_root: Path) -> None:
     # The default is ImageNet-1k's 1000 classes; a 3-folder tree is refused before training starts.
     with pytest.raises(DatasetError, match="num_classes=1000 but found 3 class folders"):
-        build_imagenet(imagenet_root, train=True)
-    assert len(build_imagenet(imagenet_root, train=True, num_classes=None)) == 18
+        imagenet_split(imagenet_root, train=True)
+    assert len(imagenet_split(imagenet_root, train=True, num_classes=None)) == 18

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kfac_bench.data.cifar import build_cifar10
-from kfac_bench.data.imagenet import build_imagenet
+from kfac_bench.data.cifar import cifar10_split
+from kfac_bench.data.imagenet import imagenet_split
 from kfac_bench.data.synthetic import build_synthetic_images
 from kfac_bench.errors import ConfigError
 
 
 def test_cifar_synthetic_has_real_split_sizes_and_shapes() -> None:
-    train = build_cifar10(synthetic=True, train=True)
-    test = build_cifar10("/does/not/matter", synthetic=True, train=False)
+    train = cifar10_split(None, synthetic=True, train=True)
+    test = cifar10_split("/does/not/matter", synthetic=True, train=False)
     assert (len(train), len(test)) == (50_000, 10_000)
     image, label = train[49_999]
     assert image.shape == (3, 32, 32) and image.dtype == torch.float32
@@ -21,12 +21,12 @@ def test_cifar_synthetic_has_real_split_sizes_and_shapes() -> None:
 
 
 def test_imagenet_synthetic_shape_length_and_classes() -> None:
-    ds = build_imagenet(synthetic=True, train=True, image_size=64, synthetic_length=300)
+    ds = imagenet_split(None, synthetic=True, train=True, image_size=64, synthetic_length=300)
     assert len(ds) == 300
     labels = torch.tensor([ds[i][1] for i in range(len(ds))])
     assert ds[0][0].shape == (3, 64, 64)
     assert labels.min() >= 0 and labels.max() < 1000
-    assert len(build_imagenet(synthetic=True, train=False)) == 50_000
+    assert len(imagenet_split(None, synthetic=True, train=False)) == 50_000
 
 
 def test_same_seed_same_data_other_seed_other_data() -> None:
@@ -47,8 +47,8 @@ def test_labels_cover_the_range_and_look_standard_normal() -> None:
 
 
 def test_train_and_eval_splits_differ() -> None:
-    train = build_cifar10(synthetic=True, train=True, synthetic_length=50)
-    test = build_cifar10(synthetic=True, train=False, synthetic_length=50)
+    train = cifar10_split(None, synthetic=True, train=True, synthetic_length=50)
+    test = cifar10_split(None, synthetic=True, train=False, synthetic_length=50)
     assert not torch.equal(train[0][0], test[0][0])
 
 

@@ -9,10 +9,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kfac_bench.data.cifar import build_cifar10
-from kfac_bench.data.fixtures import write_tiny_cifar10, write_tiny_imagenet
-from kfac_bench.data.imagenet import build_imagenet
-from kfac_bench.data.loader import build_loader, set_epoch
+from kfac_bench.data.cifar import build_tiny_cifar10
+from kfac_bench.data.imagenet import build_tiny_imagenet, write_tiny_imagenet
+from kfac_bench.data.loader import build_loaders
 from kfac_bench.models.cifar_resnet import build_cifar_resnet
 from kfac_bench.models.torchvision_models import build_torchvision_resnet
 
@@ -21,7 +20,7 @@ def train_one_epoch(
     model: nn.Module, loader: torch.utils.data.DataLoader, lr: float
 ) -> list[float]:
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    set_epoch(loader, 0)
+    loader.sampler.set_epoch(0)  # type: ignore[attr-defined]
     model.train()
     losses = []
     for images, labels in loader:
@@ -51,9 +50,8 @@ def accuracy(model: nn.Module, train: Iterable, test: Iterable) -> float:
 def test_cifar_resnet20_learns_the_tiny_cifar10_in_one_epoch(tmp_path: Path) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    root = write_tiny_cifar10(tmp_path, n_train=200, n_test=100, seed=0)
-    train = build_loader(build_cifar10(root, train=True), batch_size=20, train=True, seed=0)
-    test = build_loader(build_cifar10(root, train=False), batch_size=100, train=False)
+    data = build_tiny_cifar10(str(tmp_path), n_train=200, n_test=100, seed=0)
+    train, test, _ = build_loaders(data, batch_size=20, world_size=1, rank=0, seed=0)
     model = build_cifar_resnet(20)
     losses = train_one_epoch(model, train, lr=0.02)
     assert len(losses) == 10 and all(torch.isfinite(torch.tensor(losses)))
@@ -64,11 +62,12 @@ def test_cifar_resnet20_learns_the_tiny_cifar10_in_one_epoch(tmp_path: Path) -> 
 def test_torchvision_resnet18_learns_the_tiny_imagenet_in_one_epoch(tmp_path: Path) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    root = write_tiny_imagenet(tmp_path, classes=4, per_class=24, size=40, val_per_class=8)
-    train_set = build_imagenet(root, train=True, image_size=32, num_classes=4)
-    train = build_loader(train_set, batch_size=8, train=True, seed=0)
-    val = build_loader(build_imagenet(root, False, image_size=32, num_classes=4), 32, train=False)
-    model = build_torchvision_resnet("resnet18", num_classes=len(train_set.classes))  # type: ignore[attr-defined]
+    write_tiny_imagenet(tmp_path, classes=4, per_class=24, size=40, val_per_class=8)
+    data = build_tiny_imagenet(str(tmp_path), classes=4, image_size=32)
+    train, val, _ = build_loaders(
+        data, batch_size=8, world_size=1, rank=0, seed=0, eval_batch_size=32
+    )
+    model = build_torchvision_resnet("resnet18", num_classes=len(data.train.classes))  # type: ignore[attr-defined]
     losses = train_one_epoch(model, train, lr=0.01)
     assert len(losses) == 12 and all(torch.isfinite(torch.tensor(losses)))
     assert accuracy(model, train, val) >= 0.5  # chance is 0.25

@@ -161,7 +161,7 @@ def test_slurm_script_checkpoints_and_requeues_on_preemption(tmp_path: Path) -> 
     s = _summary(run_dir)
     assert s["status"] == "preempted" and 0 < s["steps"] < 240
     saved = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)
-    assert saved["state"]["step"] == s["steps"]
+    assert saved["train_state"]["step"] == saved["step"] == s["steps"]
 
 
 @pytest.mark.distributed

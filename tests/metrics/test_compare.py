@@ -12,7 +12,7 @@ import pytest
 
 from kfac_bench.errors import UserError
 from kfac_bench.metrics.compare import COLUMNS, find_runs, render, table_rows
-from kfac_bench.train.run import run
+from kfac_bench.train.run import train
 from tests.harness.util import run_cli, tiny_cfg
 
 
@@ -20,9 +20,9 @@ from tests.harness.util import run_cli, tiny_cfg
 def two_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     root = tmp_path_factory.mktemp("runs")
     base, kfac, never = root / "sgd", root / "kfac", root / "never"
-    assert run(tiny_cfg("kfac=none", "train.targets.top1=0.0"), base) == 0
-    assert run(tiny_cfg("kfac=comm_opt", "train.targets.top1=0.0"), kfac) == 0
-    assert run(tiny_cfg("kfac=none", "train.targets.top1=1.01"), never) == 0
+    assert train(tiny_cfg("kfac=none", "train.targets.top1=0.0"), base) == 0
+    assert train(tiny_cfg("kfac=comm_opt", "train.targets.top1=0.0"), kfac) == 0
+    assert train(tiny_cfg("kfac=none", "train.targets.top1=1.01"), never) == 0
     return base, kfac, never
 
 

@@ -9,12 +9,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from kfac_bench.metrics.sinks import JsonlSink, MLPerfSink, TensorBoardSink, read_jsonl
 from kfac_bench.metrics.tracker import TargetTracker
-from kfac_bench.train.run import run
+from kfac_bench.train.run import train
 from tests.harness.util import tiny_cfg
 
 
 def test_tensorboard_scalars_of_a_run_read_back(tmp_path: Path) -> None:
-    assert run(tiny_cfg("train.tensorboard=true", "train.log_every_steps=2"), tmp_path) == 0
+    assert train(tiny_cfg("train.tensorboard=true", "train.log_every_steps=2"), tmp_path) == 0
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])

@@ -2,7 +2,8 @@
 twins train the tiny BERT on real HDF5 shards through the real ``kfac-bench`` CLI (LAMB, K-FAC, and a phase-2
 run that starts from a phase-1 checkpoint). ``kfac-bench prepare-bert`` writes shards the reader accepts.
 
-The expected values below are typed from PAPER.md §3.7 and issue 7, never read from the YAML.
+The expected values below are typed from TPDS §6.3.3 (and gpauloski/BERT-PyTorch's phase configs), never
+read from the YAML.
 """
 
 from __future__ import annotations
@@ -21,17 +22,17 @@ from omegaconf import OmegaConf
 from kfac_bench.cli import main as cli_main
 from kfac_bench.config.compose import compose_run
 from kfac_bench.config.store import recipe_names
+from kfac_bench.data.batching import accumulation_steps
 from kfac_bench.data.bert import BertPretrainingDataset
 from kfac_bench.data.bert_corpus import write_pydoc_corpus
 from kfac_bench.errors import ConfigError
 from kfac_bench.models.bert import BERT_KFAC_SKIP_LAYERS, build_bert, load_model_state
-from kfac_bench.train.data import build, build_splits
+from kfac_bench.train.build import build_data, instantiate
 from kfac_bench.train.kfac_adapter import build_preconditioner
 from kfac_bench.train.optim import lr_factor
-from kfac_bench.train.run import accumulation_steps
 from tests.harness.util import run_cli
 
-# PAPER.md §3.7 / issue 7: (sequence length, predictions per sequence, steps, global batch, LR, warm-up).
+# TPDS §6.3.3: (sequence length, predictions per sequence, steps, global batch, LR, warm-up).
 PHASES = {
     1: (128, 20, 7038, 65536, 6e-3, 0.2843),
     2: (512, 80, 1563, 32768, 4e-3, 0.128),
@@ -261,7 +262,7 @@ def test_prepare_bert_subcommand_writes_shards_the_recipes_read(
                        "--heldout-fraction", "0.2", "--num-shards", "2"])  # fmt: skip
     assert status == 0 and "part-00001-of-00002.hdf5" in capsys.readouterr().out
     cfg = compose_run([f"+recipe={_recipe(1, True)}", f"dataset.root={out}"])
-    splits = build_splits(cfg.dataset)
+    splits = build_data(cfg.dataset)
     assert len(splits.train) > 0 and len(splits.val) > 0
     item = splits.train[0]
     assert item["input_ids"].shape == (64,) and (item["labels"] != -100).sum() >= 1
@@ -279,5 +280,5 @@ def test_phase2_refuses_to_start_without_the_phase1_checkpoint() -> None:
     for arm in (True, False):
         cfg = compose_run([f"+recipe={_recipe(2, arm)}", "model.preset=tiny"])
         with pytest.raises(ConfigError, match=r"init_checkpoint 'PHASE1_RUN_DIR/.*phase-1 run"):
-            build(cfg.model)
+            instantiate(cfg.model)
         assert compose_run([f"+recipe={_recipe(1, arm)}"]).model.init_checkpoint is None

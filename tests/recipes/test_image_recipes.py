@@ -1,6 +1,6 @@
 """Image recipes (issue 5): ResNet-32 / CIFAR-10 and ResNet-50 / ImageNet, both arms.
 
-The composed configs carry the paper's numbers (typed below from PAPER.md §3.2-3.5 and issue 5, never read
+The composed configs carry the paper's numbers (typed below from SC20 §VI-C1/C3 and TPDS §6.3.1, never read
 from the YAML); the smoke twins train on tiny sets in the real on-disk formats (pickled CIFAR batches, a
 class-folder tree of JPEG files) through the real reader, loader and loop (the K-FAC arms through the
 ``kfac-bench`` CLI); ``dataset.synthetic=true`` runs without data; a missing or malformed dataset directory
@@ -18,27 +18,28 @@ from omegaconf import OmegaConf
 
 from kfac_bench.config.compose import compose_run
 from kfac_bench.config.store import recipe_names
-from kfac_bench.data.fixtures import write_tiny_cifar10, write_tiny_imagenet
-from kfac_bench.train.data import build, build_splits
+from kfac_bench.data.cifar import write_tiny_cifar10
+from kfac_bench.data.imagenet import write_tiny_imagenet
+from kfac_bench.train.build import build_data, instantiate
 from kfac_bench.train.kfac_adapter import kfac_kwargs
 from kfac_bench.train.optim import build_optimizer, lr_factor
-from kfac_bench.train.run import run
+from kfac_bench.train.run import train
 from tests.harness.util import run_cli
 
 CIFAR_ARMS = ("resnet32_cifar10", "resnet32_cifar10_sgd")
 IMAGENET_ARMS = ("resnet50_imagenet", "resnet50_imagenet_sgd")
 
-# PAPER.md §3.2 / issue 5: ResNet-32 on CIFAR-10.
+# SC20 §VI-C1 (= TPDS §6.3.1): ResNet-32 on CIFAR-10.
 CIFAR_BATCH, CIFAR_LR, CIFAR_WARMUP = 128, 0.1, 5
 CIFAR_KFAC_EPOCHS, CIFAR_KFAC_DECAY = 100, [35, 75, 90]
 CIFAR_SGD_EPOCHS, CIFAR_SGD_DECAY = 200, [100, 150]
 CIFAR_TARGET = 0.9249
-# PAPER.md §3.3-3.5 / issue 5: ResNet-50 on ImageNet.
+# SC20 §VI-C1 and §VI-C3: ResNet-50 on ImageNet.
 IMAGENET_BATCH, IMAGENET_LR, IMAGENET_WARMUP = 32, 0.0125, 5
 IMAGENET_KFAC_EPOCHS, IMAGENET_KFAC_DECAY = 55, [25, 35, 40, 45, 50]
 IMAGENET_SGD_EPOCHS, IMAGENET_SGD_DECAY = 90, [30, 60, 80]
 IMAGENET_TARGET = 0.759
-# §3.5: eigendecomposition interval per GPU count in the scaling runs.
+# SC20 §VI-C3, Figs. 7-9: eigendecomposition interval per GPU count in the scaling runs.
 PAPER_INTERVALS = {16: 2000, 32: 1000, 64: 500, 128: 250, 256: 125}
 
 
@@ -144,7 +145,7 @@ def test_imagenet_kfac_keeps_updates_per_epoch_constant_like_the_paper() -> None
         factor, inv = _intervals(k, gpus)
         assert inv == interval
         assert factor == pytest.approx(interval / 10, abs=0.5)  # factors 10x as often
-    # 64 GPUs: KAISA's ResNet-50 F_freq / K_freq (S3 Table 2) and §3.4's chosen interval.
+    # 64 GPUs: KAISA's ResNet-50 F_freq / K_freq (KAISA Table 2) and SC20 Table III's chosen interval.
     assert _intervals(k, 64) == (50, 500)
 
 
@@ -229,7 +230,7 @@ def test_sgd_smoke_twin_writes_its_data_on_first_use_and_trains(
     torch.set_num_threads(1)
     root = tmp_path / "data"
     cfg = compose_run([f"+recipe={recipe}", f"dataset.root={root}", "train.tensorboard=false"])
-    splits = build_splits(cfg.dataset)  # writes the tiny set in the real format, reads it back
+    splits = build_data(cfg.dataset)  # writes the tiny set in the real format, reads it back
     assert len(splits.val) == n_val
     x = splits.train[0][0]
     assert x.dtype == torch.float32 and x.shape == (
@@ -239,7 +240,7 @@ def test_sgd_smoke_twin_writes_its_data_on_first_use_and_trains(
         assert (root / "cifar-10-batches-py" / "data_batch_5").is_file()
     else:
         assert len(list((root / "val").glob("*/*.JPEG"))) == n_val
-    assert run(cfg, tmp_path / "run") == 0
+    assert train(cfg, tmp_path / "run") == 0
     s = _summary(tmp_path / "run")
     assert s["kfac_enabled"] is False and s["steps"] == steps
     assert s["status"] == "target_not_reached"
@@ -265,7 +266,7 @@ def test_cifar10_synthetic_runs_without_data(tmp_path: Path) -> None:
             "kfac.inv_update_steps=1",
         ]
     )
-    assert run(cfg, tmp_path / "run") == 0
+    assert train(cfg, tmp_path / "run") == 0
     s = _summary(tmp_path / "run")
     assert s["steps"] == 2 and s["kfac_enabled"] is True and s["samples_per_s"] > 0
 
@@ -273,7 +274,7 @@ def test_cifar10_synthetic_runs_without_data(tmp_path: Path) -> None:
 def test_imagenet_synthetic_has_the_real_shapes_and_runs(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     full = compose_run(["+recipe=resnet50_imagenet", "dataset.synthetic=true"])
-    splits = build_splits(full.dataset)
+    splits = build_data(full.dataset)
     assert (len(splits.train), len(splits.val)) == (1_281_167, 50_000)
     x, y = splits.train[0]
     assert x.shape == (3, 224, 224) and x.dtype == torch.float32 and 0 <= y < 1000
@@ -293,8 +294,10 @@ def test_imagenet_synthetic_has_the_real_shapes_and_runs(tmp_path: Path) -> None
             "train.tensorboard=false",
         ]
     )
-    assert build(cfg.model).fc.out_features == 1000  # model.num_classes follows dataset.num_classes
-    assert run(cfg, tmp_path / "run") == 0
+    assert (
+        instantiate(cfg.model).fc.out_features == 1000
+    )  # model.num_classes follows dataset.num_classes
+    assert train(cfg, tmp_path / "run") == 0
     assert _summary(tmp_path / "run")["steps"] == 2
 
 

@@ -14,17 +14,14 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from kfac_bench.data.coco import CocoInstances, build_coco, collate_detection
+from kfac_bench.data.coco import CocoInstances, coco_split, collate_detection
 from kfac_bench.data.coco_fixtures import write_tiny_coco
 from kfac_bench.data.loader import ShardSampler
+from kfac_bench.errors import ConfigError
+from kfac_bench.metrics.tracker import TargetTracker
 from kfac_bench.models.maskrcnn import build_maskrcnn
 from kfac_bench.tasks.base import Task
-from kfac_bench.tasks.detection import (
-    MLPERF_TARGETS,
-    PAPER_TARGETS,
-    DetectionTask,
-    targets_met,
-)
+from kfac_bench.tasks.detection import MLPERF_TARGETS, PAPER_TARGETS, DetectionTask
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:pycocotools.*")
 SPLIT = "val2017"
@@ -84,7 +81,7 @@ def _loader(dataset: CocoInstances, **kwargs: object) -> DataLoader:
 
 @pytest.mark.parametrize("contiguous", [False, True])
 def test_ground_truth_model_scores_one(coco_root: Path, contiguous: bool) -> None:
-    dataset = build_coco(str(coco_root), SPLIT, train=False, contiguous_labels=contiguous)
+    dataset = coco_split(str(coco_root), SPLIT, train=False, contiguous_labels=contiguous)
     task = DetectionTask()
     assert isinstance(task, Task)
     model = GroundTruthModel(dataset)
@@ -95,13 +92,13 @@ def test_ground_truth_model_scores_one(coco_root: Path, contiguous: bool) -> Non
 
 
 def test_shifted_detections_score_below_one(coco_root: Path) -> None:
-    dataset = build_coco(str(coco_root), SPLIT, train=False)
+    dataset = coco_split(str(coco_root), SPLIT, train=False)
     metrics = DetectionTask().evaluate(GroundTruthModel(dataset, shift=4), _loader(dataset))
     assert 0.0 < metrics["bbox_map"] < 0.9 and 0.0 < metrics["segm_map"] < 0.9
 
 
 def test_subset_is_scored_on_its_own_images(coco_root: Path) -> None:
-    dataset = build_coco(str(coco_root), SPLIT, train=False)
+    dataset = coco_split(str(coco_root), SPLIT, train=False)
     subset = torch.utils.data.Subset(dataset, [0, 2])
     loader = DataLoader(subset, batch_size=1, collate_fn=collate_detection)
     assert DetectionTask().evaluate(GroundTruthModel(dataset), loader) == {
@@ -112,7 +109,7 @@ def test_subset_is_scored_on_its_own_images(coco_root: Path) -> None:
 
 def _five_images(root: str) -> tuple[CocoInstances, GroundTruthModel]:
     """5 images (uneven over 2 ranks) and a model that is exact on three of them and off on two."""
-    dataset = build_coco(root, SPLIT, train=False)
+    dataset = coco_split(root, SPLIT, train=False)
     dataset.ids = dataset.ids[:5]
     return dataset, GroundTruthModel(dataset, shift=3, shifted_ids={dataset.ids[0], dataset.ids[3]})
 
@@ -176,8 +173,8 @@ def test_real_maskrcnn_trains_and_evaluates(
 ) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    train_set = build_coco(str(coco_root), "train2017", train=True)
-    eval_set = build_coco(str(coco_root), SPLIT, train=False)
+    train_set = coco_split(str(coco_root), "train2017", train=True)
+    eval_set = coco_split(str(coco_root), SPLIT, train=False)
     model = build_maskrcnn(
         num_classes=train_set.num_classes,
         min_size=64,
@@ -224,12 +221,21 @@ def test_real_maskrcnn_trains_and_evaluates(
     assert model.training
 
 
-def test_targets_met_needs_every_target() -> None:
+def test_the_runs_tracker_needs_every_detection_target() -> None:
     assert PAPER_TARGETS == {"bbox_map": 0.377, "segm_map": 0.342}
     assert MLPERF_TARGETS == {"bbox_map": 0.377, "segm_map": 0.339}
-    assert targets_met({"bbox_map": 0.38, "segm_map": 0.35}, PAPER_TARGETS)
-    assert not targets_met({"bbox_map": 0.38, "segm_map": 0.340}, PAPER_TARGETS)
-    assert targets_met({"bbox_map": 0.38, "segm_map": 0.340}, MLPERF_TARGETS)
-    assert not targets_met({"bbox_map": 0.376, "segm_map": 0.35}, PAPER_TARGETS)
-    assert not targets_met({"bbox_map": 0.9}, PAPER_TARGETS)
-    assert DetectionTask(targets=MLPERF_TARGETS).targets_met({"bbox_map": 0.377, "segm_map": 0.339})
+    task = DetectionTask()
+    paper = TargetTracker(PAPER_TARGETS, task.target_metric, task.higher_is_better)
+    mlperf = TargetTracker(MLPERF_TARGETS, task.target_metric, task.higher_is_better)
+    assert paper.met({"bbox_map": 0.38, "segm_map": 0.35})
+    assert not paper.met({"bbox_map": 0.38, "segm_map": 0.340})
+    assert mlperf.met({"bbox_map": 0.38, "segm_map": 0.340})
+    assert not paper.met({"bbox_map": 0.376, "segm_map": 0.35})
+    assert not paper.met({"bbox_map": 0.9})
+    assert mlperf.met({"bbox_map": 0.377, "segm_map": 0.339})  # a target is met at equality
+
+
+def test_a_target_on_a_metric_detection_does_not_report_fails_at_once() -> None:
+    assert DetectionTask(targets=MLPERF_TARGETS).targets == MLPERF_TARGETS
+    with pytest.raises(ConfigError, match=r"bbox_mAP.*use bbox_map and/or segm_map"):
+        DetectionTask(targets={"bbox_mAP": 0.377})

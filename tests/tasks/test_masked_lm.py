@@ -1,5 +1,5 @@
 """Masked-LM task: the loss against transformers' own, metrics on a constructed case, exact
-cross-rank reduction under gloo, and the gradient-accumulation arithmetic."""
+cross-rank reduction under gloo."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from kfac_bench.data.bert import IGNORE_INDEX, BertPretrainingDataset
-from kfac_bench.errors import ConfigError, UserError
+from kfac_bench.data.loader import ShardSampler
+from kfac_bench.errors import UserError
 from kfac_bench.tasks.base import Task
-from kfac_bench.tasks.masked_lm import MaskedLMTask, accumulation_steps, build_masked_lm
-from kfac_bench.train.data import ShardSampler
+from kfac_bench.tasks.masked_lm import MaskedLMTask, build_masked_lm
 from tests.data.test_bert_reader import write_nvidia_shard
 
 
@@ -107,7 +107,7 @@ def _worker(rank: int, world_size: int, root: str, out: str) -> None:
         own = BertPretrainingDataset(root, drop_remainder=False)  # shards itself by rank
         train = BertPretrainingDataset(root)  # equal lengths for training
         full = BertPretrainingDataset(root, shard_by_rank=False)
-        sampled = DataLoader(full, batch_size=2, sampler=ShardSampler(len(full), world_size, rank))
+        sampled = DataLoader(full, batch_size=2, sampler=ShardSampler(full, world_size, rank))
         result = {
             "own_first": own[0]["input_ids"][0].item(),
             "lengths": (len(own), len(train)),
@@ -150,33 +150,3 @@ def test_evaluation_is_exact_across_two_ranks(tmp_path: Path) -> None:
     for r in results:
         for key in ("own", "sampled"):
             assert r[key] == pytest.approx(single), key
-
-
-@pytest.mark.parametrize(
-    ("global_batch", "local_batch", "world_size", "steps"),
-    [
-        (65536, 64, 16, 64),  # phase 1 on the paper's 16 A100
-        (65536, 128, 16, 32),
-        (65536, 32, 128, 16),
-        (32768, 16, 16, 128),  # phase 2
-        (32768, 8, 8, 512),  # KAISA's phase 2: local 8 on 8 A100
-        (32768, 32768, 1, 1),
-    ],
-)
-def test_accumulation_steps(
-    global_batch: int, local_batch: int, world_size: int, steps: int
-) -> None:
-    assert accumulation_steps(global_batch, local_batch, world_size) == steps
-    assert steps * local_batch * world_size == global_batch
-
-
-def test_accumulation_steps_errors() -> None:
-    # The paper's phase-1 local batch of 96 on 16 GPUs does not divide 65536 exactly.
-    with pytest.raises(
-        ConfigError, match=r"local batch 96 x world size 16 = 1536.*e\.g\. 64 or 128"
-    ):
-        accumulation_steps(65536, 96, 16)
-    with pytest.raises(ConfigError, match="not a multiple of world size 3"):
-        accumulation_steps(65536, 64, 3)
-    with pytest.raises(ConfigError, match="must be positive"):
-        accumulation_steps(65536, 0, 16)

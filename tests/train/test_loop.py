@@ -11,13 +11,19 @@ import pytest
 import torch
 
 from kfac_bench.metrics.sinks import read_jsonl
-from kfac_bench.train import checkpoint
-from kfac_bench.train.run import run
+from kfac_bench.train.checkpoint import CHECKPOINT_DIR, CheckpointManager
+from kfac_bench.train.run import train
 from tests.harness.util import tiny_cfg
 
 
+def _saved(run_dir: Path) -> dict:
+    saved = CheckpointManager(run_dir / CHECKPOINT_DIR, {}).read()
+    assert saved is not None
+    return saved
+
+
 def _train(tmp: Path, *overrides: str) -> dict:
-    assert run(tiny_cfg(*overrides), tmp) == 0
+    assert train(tiny_cfg(*overrides), tmp) == 0
     return json.loads((tmp / "summary.json").read_text())
 
 
@@ -46,7 +52,7 @@ def test_run_records_time_to_accuracy(tmp_path: Path, kfac: str) -> None:
     keys = [e["key"] for e in mlperf]
     assert keys[0] == "submission_benchmark" and "run_start" in keys and keys[-1] == "run_stop"
     assert keys.count("eval_accuracy") == 2 and mlperf[-1]["metadata"]["status"] == "success"
-    assert checkpoint.checkpoint_path(tmp_path).is_file() and (tmp_path / "config.yaml").is_file()
+    assert _saved(tmp_path)["step"] == 12 and (tmp_path / "config.yaml").is_file()
 
 
 def test_unreached_target_is_reported_as_such(tmp_path: Path) -> None:
@@ -86,8 +92,8 @@ def test_nan_loss_stops_with_diverged_and_keeps_the_last_good_checkpoint(tmp_pat
     # The LR jumps by 1e20 after the first epoch: the second epoch's loss becomes non-finite.
     s = _train(tmp_path, "kfac=none", "lr_schedule.milestones=[1]", "lr_schedule.gamma=1e20")
     assert s["status"] == "diverged"
-    saved = checkpoint.load(checkpoint.checkpoint_path(tmp_path))
-    assert saved is not None and saved["state"]["step"] == 6
+    saved = _saved(tmp_path)
+    assert saved["step"] == saved["train_state"]["step"] == 6
     assert all(torch.isfinite(v).all() for v in saved["model"].values())
     stop = (tmp_path / "mlperf.log").read_text().splitlines()[-1]
     assert '"aborted"' in stop and "diverged" in stop
@@ -102,9 +108,7 @@ def test_resume_mid_epoch_equals_uninterrupted(tmp_path: Path) -> None:
     assert parts["steps"] == whole["steps"] == 12
     assert [r["step"] for r in read_jsonl(tmp_path / "parts" / "eval.jsonl")] == [6, 8, 12]
     assert parts["final_metrics"] == whole["final_metrics"]
-    a = checkpoint.load(checkpoint.checkpoint_path(tmp_path / "whole"))
-    b = checkpoint.load(checkpoint.checkpoint_path(tmp_path / "parts"))
-    assert a is not None and b is not None
+    a, b = _saved(tmp_path / "whole"), _saved(tmp_path / "parts")
     for key, value in a["model"].items():
         assert torch.equal(value, b["model"][key]), key
     assert parts["train_time_s"] > 0 and not math.isnan(parts["wall_time_s"])

@@ -12,7 +12,6 @@ from kfac_bench.config.schema import KFACConfig, LRScheduleConfig
 from kfac_bench.errors import ConfigError
 from kfac_bench.train.kfac_adapter import epoch_step_decay, kfac_kwargs
 from kfac_bench.train.optim import build_optimizer, lr_factor
-from kfac_bench.train.run import accumulation_steps
 
 
 def sched(**kw: object) -> LRScheduleConfig:
@@ -136,13 +135,6 @@ def test_dtype_names_become_torch_dtypes() -> None:
         kfac_kwargs(
             _kfac(inv_dtype="float7"), steps_per_epoch=1, world_size=1, accumulation_steps=1, lr=1
         )
-
-
-def test_accumulation_from_global_batch() -> None:
-    assert accumulation_steps(16, 4, 256, default=1) == 4
-    assert accumulation_steps(16, 4, None, default=3) == 3
-    with pytest.raises(ConfigError, match="multiple"):
-        accumulation_steps(16, 3, 100, default=1)
 
 
 def test_optimizers_and_linear_scaling() -> None:

@@ -2,7 +2,8 @@
 
 The command line is composed once up front (:func:`kfac_bench.config.compose.compose_run`) so config
 mistakes give one line and exit status 2 before Hydra starts; sweeps (``-m``) are checked value by value.
-The Hydra job then either trains in this process or, with ``launcher=torchrun``, starts the ranks.
+The Hydra job then either trains in this process (:func:`kfac_bench.train.run.train`) or, with
+``launcher=torchrun``, starts the ranks, each of which runs this command again.
 """
 
 from __future__ import annotations
@@ -10,13 +11,16 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kfac_bench.config import config_dir
-from kfac_bench.config.compose import PRIMARY, compose_run, normalize_overrides
-from kfac_bench.config.store import recipe_names, register
 from kfac_bench.errors import UserError
 
-__all__ = ["check_overrides", "help_text", "train_main"]
+__all__ = ["SUMMARY", "check_overrides", "help_text", "main"]
+
+SUMMARY = """\
+  train     train a model: kfac-bench train [+recipe=NAME] [group=option] [key=value ...]
+            (kfac-bench train --help lists the config groups, options and recipes)"""
 
 _FLAGS_WITH_VALUE = {
     "--config-name",
@@ -32,6 +36,10 @@ _MAX_SWEEP_CHECKS = 32
 
 def help_text() -> str:
     """The config groups with their options, and the recipes."""
+    # Composing imports Hydra and the engine: done on use, so `kfac-bench --help` stays instant.
+    from kfac_bench.config.compose import compose_run
+    from kfac_bench.config.store import recipe_names
+
     lines = ["usage: kfac-bench train [-m] [+recipe=NAME] [group=option ...] [key=value ...]", ""]
     lines.append("config groups (group=option; the default is marked *):")
     defaults = compose_run([], return_hydra_config=False).keys()
@@ -66,6 +74,8 @@ def help_text() -> str:
 
 
 def _default_choices() -> dict[str, str]:
+    from kfac_bench.config.compose import compose_run
+
     cfg = compose_run([], return_hydra_config=True)
     return {str(k): str(v) for k, v in cfg.hydra.runtime.choices.items()}
 
@@ -90,6 +100,8 @@ def check_overrides(overrides: Sequence[str], multirun: bool) -> None:
     Raises:
         ConfigError: one line naming the problem.
     """
+    from kfac_bench.config.compose import compose_run, normalize_overrides
+
     if not multirun:
         compose_run(overrides, return_hydra_config=True)
         return
@@ -116,8 +128,10 @@ def _first(override: object) -> str:
     return f"{override.get_key_element()}={value}"  # type: ignore[attr-defined]
 
 
-def train_main(args: Sequence[str]) -> int:
-    """Entry of ``kfac-bench train``; returns the exit status (the worst over a sweep's jobs)."""
+def main(args: Sequence[str]) -> int:
+    """``kfac-bench train ARGS``; returns the exit status (the worst over a sweep's jobs)."""
+    from kfac_bench.config.compose import normalize_overrides
+
     if "--help" in args or "-h" in args:
         print(help_text(), end="")
         return 0
@@ -132,6 +146,9 @@ def _run_hydra(args: list[str]) -> int:
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig
+
+    from kfac_bench.config.compose import PRIMARY
+    from kfac_bench.config.store import register
 
     register()
     statuses: list[int] = []
@@ -155,10 +172,10 @@ def _run_hydra(args: list[str]) -> int:
     return max(statuses, default=0)
 
 
-def _job(cfg: object, run_dir: Path, overrides: list[str]) -> int:
+def _job(cfg: Any, run_dir: Path, overrides: list[str]) -> int:
     from kfac_bench.train.launch import inside_launched_worker, launch_torchrun
 
-    launcher = cfg.launcher  # type: ignore[attr-defined]
+    launcher = cfg.launcher
     if str(launcher.name.value) == "torchrun" and not inside_launched_worker():
         return launch_torchrun(
             overrides,
@@ -167,6 +184,6 @@ def _job(cfg: object, run_dir: Path, overrides: list[str]) -> int:
             launcher.max_restarts,
             launcher.monitor_interval,
         )
-    from kfac_bench.train.run import run
+    from kfac_bench.train.run import train
 
-    return run(cfg, run_dir)  # type: ignore[arg-type]
+    return int(train(cfg, run_dir))

@@ -1,0 +1,231 @@
+"""Config -> the objects of one run: data, model, task, optimizer, schedule, preconditioner, loop state,
+checkpoint manager and recorder, wired together (:func:`build_run`); and the Hydra instantiation that
+reports a builder's user errors in one line."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import random
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from kfac_bench.config.schema import Precision
+from kfac_bench.data.base import DataSplits
+from kfac_bench.data.batching import BatchPlan, plan_batches
+from kfac_bench.data.loader import build_loaders
+from kfac_bench.errors import UserError
+from kfac_bench.metrics.recorder import Recorder
+from kfac_bench.metrics.tracker import StageTimes, TargetTracker
+from kfac_bench.train.checkpoint import (
+    CHECKPOINT_DIR,
+    CheckpointManager,
+    PreconditionerState,
+    RNGState,
+)
+from kfac_bench.train.distributed import DistEnv
+from kfac_bench.train.kfac_adapter import build_preconditioner
+from kfac_bench.train.loop import Loop
+from kfac_bench.train.optim import build_lr_scheduler, build_optimizer, lr_factor
+from kfac_bench.train.signals import PreemptionFlag
+from kfac_bench.train.state import TrainState
+
+__all__ = ["Run", "build_data", "build_run", "instantiate"]
+
+
+def instantiate(cfg: Any, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` (containers as plain Python), re-raising a builder's
+    :class:`~kfac_bench.errors.UserError` as itself so the CLI reports it in one line."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate as hydra_instantiate
+
+    try:
+        return hydra_instantiate(cfg, _convert_="all", **kwargs)
+    except InstantiationException as exc:
+        if isinstance(exc.__cause__, UserError):
+            raise exc.__cause__ from None
+        raise
+
+
+def build_data(dataset_cfg: Any) -> DataSplits:
+    """Both splits of a ``dataset`` config: its builder returns a :class:`DataSplits`.
+
+    Raises:
+        TypeError: the builder returned something else (a programming error, not a user's).
+    """
+    splits = instantiate(dataset_cfg)
+    if not isinstance(splits, DataSplits):
+        raise TypeError(
+            f"dataset builder {dataset_cfg._target_} returned {type(splits).__name__}; "
+            "every dataset builder returns kfac_bench.data.base.DataSplits"
+        )
+    return splits
+
+
+@dataclass
+class Run:
+    """Everything one run is made of, ready to resume and train.
+
+    ``loop`` holds what the loop touches; ``checkpoints`` saves and restores the stateful parts;
+    ``recorder`` writes the measurements; ``plan`` is the batch arithmetic.
+    """
+
+    loop: Loop
+    checkpoints: CheckpointManager
+    recorder: Recorder
+    plan: BatchPlan
+    stages: StageTimes
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _set_threads(threads: int | None, device: torch.device) -> None:
+    if threads is None and device.type == "cpu":
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        threads = max(1, (os.cpu_count() or 1) // local_world)
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
+def _autocast(device: torch.device, precision: Precision) -> Callable[[], Any]:
+    if device.type != "cuda" or precision is Precision.fp32:
+        return contextlib.nullcontext
+    dtype = torch.bfloat16 if precision is Precision.bf16 else torch.float16
+    return functools.partial(torch.autocast, device_type="cuda", dtype=dtype)
+
+
+def build_run(cfg: DictConfig, run_dir: Path, env: DistEnv, device: torch.device) -> Run:
+    """Build a run from its composed config, for this rank of ``env`` on ``device``.
+
+    The model is initialised from ``train.seed`` on every rank (identical weights); augmentation and
+    dropout then draw from per-rank streams (``train.seed + rank``).
+
+    Raises:
+        UserError: a builder's problem with the user's data or settings (one line).
+    """
+    t = cfg.train
+    _set_threads(t.cpu_threads, device)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _seed(t.seed)
+    splits = build_data(cfg.dataset)
+    task = instantiate(cfg.task)
+    module: nn.Module = instantiate(cfg.model).to(device)
+    _seed(t.seed + env.rank)
+    train_loader, eval_loader, sampler = build_loaders(
+        splits,
+        t.batch_size,
+        env.world_size,
+        env.rank,
+        t.seed,
+        t.num_workers,
+        pin_memory=device.type == "cuda",
+        eval_batch_size=t.eval_batch_size,
+    )
+    plan = plan_batches(
+        samples_per_rank=sampler.num_samples,
+        batch_size=t.batch_size,
+        world_size=env.world_size,
+        global_batch=t.global_batch_size,
+        accumulation=t.accumulation_steps,
+        limit_micro_batches=t.limit_train_batches,
+    )
+    max_steps = min(t.epochs * plan.steps_per_epoch, t.max_steps or sys.maxsize)
+    precision = Precision(t.precision)
+    fp16_on_cuda = device.type == "cuda" and precision is Precision.fp16
+    scaler = torch.amp.GradScaler("cuda") if fp16_on_cuda else None
+    optimizer = build_optimizer(module, cfg.optimizer, env.world_size)
+    factor = lr_factor(cfg.lr_schedule, plan.steps_per_epoch, max_steps, env.world_size)
+    scheduler = build_lr_scheduler(optimizer, factor)
+    precond = build_preconditioner(
+        module,
+        cfg.kfac,
+        steps_per_epoch=plan.steps_per_epoch,
+        world_size=env.world_size,
+        accumulation_steps=plan.accumulation_steps,
+        lr=lambda step: optimizer.param_groups[0]["lr"],
+        grad_scaler=scaler,
+    )
+    model: nn.Module = module
+    if env.distributed:
+        model = nn.parallel.DistributedDataParallel(
+            module,
+            device_ids=[device] if device.type == "cuda" else None,
+            find_unused_parameters=t.find_unused_parameters,
+        )
+    state = TrainState(world_size=env.world_size)
+    tracker = TargetTracker(dict(t.targets), task.target_metric, bool(task.higher_is_better))
+    stages = StageTimes(precond)
+    checkpoints = CheckpointManager(
+        run_dir / CHECKPOINT_DIR,
+        {
+            "model": module,
+            "optimizer": optimizer,
+            "scheduler": scheduler,
+            "scaler": scaler,
+            "precond": PreconditionerState(precond) if precond is not None else None,
+            "train_state": state,
+            "tracker": tracker,
+            "stage_times": stages,
+            "rng": RNGState(env.rank, env.world_size),  # last: restored after everything else
+        },
+        is_main=env.is_main,
+    )
+    recorder = Recorder(
+        run_dir,
+        state,
+        stages,
+        tracker.primary,
+        max_steps,
+        enabled=env.is_main,
+        progress=str(t.progress.value),
+        log_every_steps=t.log_every_steps,
+        tensorboard=t.tensorboard,
+        mlperf=t.mlperf_log,
+        benchmark=t.benchmark_name,
+    )
+    loop = Loop(
+        model=model,
+        module=module,
+        task=task,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        precond=precond,
+        scaler=scaler,
+        autocast=_autocast(device, precision),
+        device=device,
+        train_loader=train_loader,
+        eval_loader=eval_loader,
+        sampler=sampler,
+        state=state,
+        tracker=tracker,
+        recorder=recorder,
+        checkpoints=checkpoints,
+        preempt=PreemptionFlag(),
+        accumulation_steps=plan.accumulation_steps,
+        micro_per_epoch=plan.micro_per_epoch,
+        epochs=t.epochs,
+        max_steps=max_steps,
+        world_size=env.world_size,
+        batch_size=t.batch_size,
+        grad_clip_norm=t.grad_clip_norm,
+        eval_every_epochs=t.eval_every_epochs,
+        eval_every_steps=t.eval_every_steps,
+        checkpoint_every_epochs=t.checkpoint_every_epochs,
+        checkpoint_every_steps=t.checkpoint_every_steps,
+        stop_at_target=t.stop_at_target,
+        limit_eval_batches=t.limit_eval_batches,
+    )
+    return Run(loop, checkpoints, recorder, plan, stages)
