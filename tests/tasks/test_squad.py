@@ -17,7 +17,7 @@ from kfac_bench.metrics.squad_eval import squad_v11_scores
 from kfac_bench.models.bert_qa import build_bert_qa
 from kfac_bench.tasks.base import Task
 from kfac_bench.tasks.squad import SquadTask, best_span, build_squad_task, postprocess
-from kfac_bench.train.data import ShardSampler
+from kfac_bench.data.loader import ShardSampler
 from tests.data.squad_fixtures import (
     Smoke,
     make_smoke,
@@ -153,7 +153,7 @@ def test_evaluate_with_oracle_model_scores_100(smoke: Smoke) -> None:
 
 
 def _evaluate_shard(rank: int, world: int, features: SquadFeatures) -> dict[str, object]:
-    sampler = ShardSampler(len(features), world, rank)
+    sampler = ShardSampler(features, world, rank)
     loader = DataLoader(features, batch_size=5, sampler=sampler, collate_fn=squad_collate)
     task = SquadTask()
     return {"metrics": task.evaluate(OracleModel(features), loader), "pred": task.last_predictions}
