@@ -57,7 +57,10 @@ def test_buckets_launch_during_backward_and_variants_agree() -> None:
         for res in results[name]:
             assert res["launched_in_backward"] == res["launched"] == res["buckets"]
     assert results["small_buckets"][0]["buckets"] > plain["buckets"] == 1
-    for name, tol in (("small_buckets", 0.0), ("triangular", 0.0), ("bf16", 1e-2)):
+    # gloo may sum a bucket in a different order depending on how the factors are packed into it (bucket
+    # size, triangles), so float64 factors agree to rounding, not bit for bit (8.9e-16 seen): a few ulps.
+    ulps = 8 * torch.finfo(torch.float64).eps
+    for name, tol in (("small_buckets", ulps), ("triangular", ulps), ("bf16", 1e-2)):
         for layer, (a, g) in results[name][0]["factors"].items():
             pa, pg = plain["factors"][layer]
             torch.testing.assert_close(a, pa, rtol=tol, atol=tol * pa.abs().max().item())
