@@ -1,6 +1,6 @@
 """Collectives for distributed K-FAC over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
 
-Three kinds of traffic (PAPER.md §2.1, §2.3):
+Three kinds of traffic (TPDS §4.3; KAISA §3.1):
     * batch factors averaged across ranks (all-reduce, or reduce to the rank that decomposes them), in
       buckets of at most ``bucket_cap_mb``, optionally as packed upper triangles and in a lower precision;
     * decompositions broadcast inside a layer's gradient-worker block on decomposition steps;

@@ -8,7 +8,7 @@ the gradient of the per-example loss.
 ``'per_example'`` (SC20/TPDS ResNet code; textbook K-FAC and KFC, Grosse & Martens 2016):
     A = (1/N) Σₙ Σₜ a aᵀ                  (KFC's Ω: summed over positions)
     G = (1/N) Σₙ (1/T) Σₜ δ δᵀ = (N/T) Σ g gᵀ   (KFC's Γ: averaged over positions)
-    For Linear without extra dimensions (T = 1) these are E[a aᵀ] and E[δ δᵀ] (PAPER.md eq. for F̂ᵢ).
+    For Linear without extra dimensions (T = 1) these are E[a aᵀ] and E[δ δᵀ] (F̂ᵢ = A ⊗ G of TPDS §2.3).
     The SC20 code splits the same Kronecker product A ⊗ G differently for convolutions (A/T², G·T²); the
     eigen method depends only on the product, so its results are identical.
 
@@ -53,7 +53,7 @@ def running_average(
     """``decay·running + (1-decay)·batch``; the first update starts from the identity.
 
     This is the reference code's convention (keep ``decay`` of the old average), not the paper's
-    equation, which is written the other way round (PAPER.md §1.1). A non-finite ``batch`` leaves the
+    equation, which is written the other way round (TPDS eq. 14-15). A non-finite ``batch`` leaves the
     running factor unchanged (decided on the device, without a host synchronisation).
     """
     if running is None:

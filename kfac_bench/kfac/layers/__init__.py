@@ -1,6 +1,6 @@
 """WHAT each layer type contributes to K-FAC: a plain registry from module type to handler.
 
-Only ``nn.Linear`` and ``nn.Conv2d`` are preconditioned (PAPER.md §1.1 "Which layers"); every other module
+Only ``nn.Linear`` and ``nn.Conv2d`` are preconditioned (SC20 §V); every other module
 keeps its plain gradient. Subclasses of a registered type are matched by ``isinstance``.
 """
 

@@ -1,4 +1,4 @@
-"""The eigen-decomposition ("inverse-free") method, PAPER.md eq. 11-13 (Grosse & Martens).
+"""The eigen-decomposition ("inverse-free") method: TPDS eq. 11-13, SC20 eq. 13-15 (Grosse & Martens).
 
 With A = Q_A diag(λ_A) Q_Aᵀ and G = Q_G diag(λ_G) Q_Gᵀ, and the layer gradient ∇W of shape (g_dim, a_dim):
 

@@ -1,7 +1,7 @@
-"""The explicit-inverse method: ``(G + γI)⁻¹ ∇W (A + γI)⁻¹`` (PAPER.md eq. 9-10).
+"""The explicit-inverse method: ``(G + γI)⁻¹ ∇W (A + γI)⁻¹`` (TPDS eq. 9-10).
 
 Note that (A+γI)⁻¹ ⊗ (G+γI)⁻¹ = (A⊗G + γ(A⊗I + I⊗G) + γ²I)⁻¹: for the same γ it damps more than the eigen
-method, which inverts A⊗G + γI exactly (PAPER.md §1.1 remark).
+method, which inverts A⊗G + γI exactly (mixed-product property of ⊗; see :mod:`.eigen`).
 """
 
 from __future__ import annotations
