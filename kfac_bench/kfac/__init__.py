@@ -12,7 +12,8 @@ from .options import (
     FactorScaling,
     Placement,
 )
-from .preconditioner import STAGES, KFACPreconditioner
+from .preconditioner import KFACPreconditioner
+from .timing import STAGES
 
 __all__ = [
     "STAGES",

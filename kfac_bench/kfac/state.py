@@ -1,4 +1,4 @@
-"""Per-layer state of the preconditioner: accumulators, running factors, decompositions."""
+"""Per-layer state of the preconditioner: accumulators, running factors, second-order parts."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from .assignment import LayerWork
 from .factors import contribution_count, contribution_weight, normalise
 from .layers import Gram, LayerHandler
 from .options import FactorScaling
-from .second_order import Result
+from .second_order import Parts, Result
 
 
 @dataclass
@@ -51,9 +51,8 @@ class LayerState:
     g_batch: Accumulator = field(default_factory=Accumulator)
     a_factor: torch.Tensor | None = None
     g_factor: torch.Tensor | None = None
-    a_decomp: Result | None = None
-    g_decomp: Result | None = None
-    outer: torch.Tensor | None = None
+    # Second-order parts held on this rank ("a", "g" and the method's derived parts), see second_order.method.
+    parts: Parts = field(default_factory=dict)
     # Device-side flag: a non-finite batch factor was skipped since the last check (no host sync to set).
     nonfinite: torch.Tensor | None = None
     # Gradient hooks registered in this micro-batch's forward that have not fired yet.
@@ -61,6 +60,25 @@ class LayerState:
     seen_a: bool = False
     seen_g: bool = False
     handles: list[RemovableHandle] = field(default_factory=list)
+
+    @property
+    def a_decomp(self) -> Result | None:
+        return self.parts.get("a")
+
+    @property
+    def g_decomp(self) -> Result | None:
+        return self.parts.get("g")
+
+    @property
+    def outer(self) -> torch.Tensor | None:
+        part = self.parts.get("outer")
+        return None if part is None else part["outer"]
+
+    @property
+    def device(self) -> torch.device:
+        w = self.module.weight
+        assert isinstance(w, torch.Tensor)
+        return w.device
 
     def remove_hooks(self) -> None:
         for h in self.handles:

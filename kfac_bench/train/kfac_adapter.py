@@ -18,6 +18,7 @@ from torch import nn
 
 from kfac_bench.config.schema import KFACConfig
 from kfac_bench.errors import ConfigError
+from kfac_bench.kfac.options import DistributedStrategy, parse_grad_worker_fraction
 from kfac_bench.kfac.schedules import step_decay
 
 __all__ = ["FROM_LOOP", "HARNESS_ONLY", "build_preconditioner", "epoch_step_decay", "kfac_kwargs"]
@@ -35,7 +36,6 @@ HARNESS_ONLY = frozenset(
 )
 #: Engine arguments the loop supplies (not config fields).
 FROM_LOOP = frozenset({"model", "lr", "accumulation_steps", "grad_scaler"})
-_STRATEGIES = ("comm_opt", "mem_opt", "hybrid_opt")
 
 
 def epoch_step_decay(
@@ -48,18 +48,12 @@ def epoch_step_decay(
 
 
 def _grad_worker_fraction(value: str) -> float | str:
-    text = str(value).strip().lower()
-    if text in _STRATEGIES:
-        return text
+    """The engine's parse (one place for the rule), its ValueError as a one-line config error."""
     try:
-        fraction = float(text)
-    except ValueError:
-        raise ConfigError(
-            f"kfac.grad_worker_fraction={value!r}: give a number in (0, 1] or one of {', '.join(_STRATEGIES)}"
-        ) from None
-    if not 0 < fraction <= 1:
-        raise ConfigError(f"kfac.grad_worker_fraction={value!r} must be in (0, 1]")
-    return fraction
+        parsed = parse_grad_worker_fraction(value)
+    except ValueError as err:
+        raise ConfigError(f"kfac.{err}") from None
+    return parsed.value if isinstance(parsed, DistributedStrategy) else parsed
 
 
 def _dtype(name: str | None, key: str) -> torch.dtype | None:
