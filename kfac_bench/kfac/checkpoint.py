@@ -43,8 +43,10 @@ def gather_state(p: KFACPreconditioner, include_decompositions: bool) -> dict[st
             "a_factor": _gather_factor(p, layer.a_factor, work.a_owner, work.a_dim),
             "g_factor": _gather_factor(p, layer.g_factor, work.g_owner, work.g_dim),
         }
-        if include_decompositions and p.curvature.has_decompositions:
-            entry["decompositions"] = _gather_parts(p, layer)
+        if include_decompositions:
+            # Only ready layers have parts (every rank agrees which): the others resume not ready.
+            entry["decompositions"] = _gather_parts(p, layer) if layer.ready else None
+            entry["not_ready_reason"] = layer.not_ready_reason
         layers[name] = entry
     return {"steps": p.steps, "hyperparameters": hyper, "layers": layers}
 
@@ -98,17 +100,21 @@ def _gather_parts(p: KFACPreconditioner, layer: LayerState) -> dict[str, Result 
 
 def restore_state(p: KFACPreconditioner, state: dict[str, Any]) -> None:
     """See :meth:`KFACPreconditioner.load_state_dict`."""
+    saved = state["layers"]
+    if set(saved) != set(p.layers):
+        missing, extra = sorted(set(p.layers) - set(saved)), sorted(set(saved) - set(p.layers))
+        raise ValueError(
+            f"K-FAC state does not match this model's K-FAC layers (same model, skip_layers and layer "
+            f"types?): missing {missing}, unexpected {extra}"
+        )
     p.steps = int(state["steps"])
     for k, v in state.get("hyperparameters", {}).items():
         if not callable(getattr(p, k)):
             setattr(p, k, v)
-    missing = set(p.layers) - set(state["layers"])
-    if missing:
-        raise KeyError(f"K-FAC state has no factors for layers: {sorted(missing)}")
-    has_decomp = False
     keep_all = p.factor_reduction is FactorReduction.ALLREDUCE
+    with_parts = False
     for name, layer in p.layers.items():
-        entry = state["layers"][name]
+        entry = saved[name]
         work = layer.work
         assert work is not None
         dev = layer.device
@@ -116,18 +122,15 @@ def restore_state(p: KFACPreconditioner, state: dict[str, Any]) -> None:
             t = entry.get(f"{kind}_factor")
             keep = t is not None and (keep_all or owner == p.comm.rank)
             setattr(layer, f"{kind}_factor", t.to(dev, p.factor_dtype) if keep else None)
-            layer.seen_a = layer.seen_g = True
-        parts = entry.get("decompositions")
-        if parts is not None:
-            has_decomp = True
-            holds = p.comm.rank in work.grad_workers
-            layer.parts = {
-                k: {n: v.to(dev) for n, v in res.items()}
-                for k, res in parts.items()
-                if res is not None and holds
-            }
+        layer.parts, layer.ready, layer.not_ready_reason = {}, False, None
+        if "decompositions" in entry:
+            with_parts = True
+            parts = entry["decompositions"]
+            layer.ready = parts is not None
+            layer.not_ready_reason = entry.get("not_ready_reason")
+            if parts is not None and p.comm.rank in work.grad_workers:
+                layer.parts = {k: {n: v.to(dev) for n, v in r.items()} for k, r in parts.items()}
+    p.capture.ever = p.capture.ever or p.steps > 0
     p.capture.start_step(is_due(p.factor_update_steps, p.steps))
-    if p.steps > 0 and not has_decomp:
-        p.curvature.decompose(resolve(p.damping, p.steps))
-        p.curvature.broadcast()
-    p.curvature.has_decompositions = p.steps > 0
+    if p.steps > 0 and not with_parts:
+        p.curvature.update_second_order(resolve(p.damping, p.steps))

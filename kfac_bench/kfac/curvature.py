@@ -4,6 +4,11 @@ Stage 1 (factors): each layer's batch factors are normalised, averaged across ra
 the gradient hooks as soon as a layer's factors are final, finished in ``step()``) and folded into the
 running averages. Stage 2 (second order): each rank decomposes the factors it owns with the second-order
 method chosen at construction, then every part is broadcast inside the layer's block of gradient workers.
+
+A layer is *ready* once every part it needs has been computed (host state that all ranks agree on); until
+then it keeps its plain gradient: a layer that has not run yet (LayerDrop, a conditional branch, a weight
+used functionally) is checked again at every decomposition step, and so is a layer whose first
+decomposition failed even in float64.
 """
 
 from __future__ import annotations
@@ -14,13 +19,14 @@ import torch
 
 from .comm import Communicator, StepReduction
 from .factors import running_average
-from .log import WarnOnce, logger
+from .log import WarnOnce
 from .options import FactorReduction, FactorScaling
 from .second_order import SecondOrderMethod
 from .state import LayerState
 from .timing import StageTimer
 
 Batch = list[tuple[str, torch.Tensor, int | None]]  # (key "<layer>/a", factor, reduction target)
+_NOT_RUN, _FAILED = 1, 2  # why a rank cannot provide a layer's part (the larger wins across ranks)
 
 
 class Curvature:
@@ -44,7 +50,6 @@ class Curvature:
         self.reduction = reduction
         self.timer = timer
         self.warn = warn
-        self.has_decompositions = False
         self._step_reduction: StepReduction | None = None
 
     # ------------------------------------------------------------------ stage 1: factors
@@ -58,6 +63,11 @@ class Curvature:
             f = acc.pop(self.scaling, is_g)
             if f is not None:
                 self._step_reduction.add(f"{layer.name}/{kind}", f)
+
+    def comm_bytes(self) -> int:
+        """Bytes of the factor buckets in flight (launched from the hooks, not yet finished)."""
+        r = self._step_reduction
+        return 0 if r is None else sum(f.numel() * f.element_size() for _, f, _ in r.pending)
 
     def update_factors(self, decay: float) -> None:
         """Batch factors of this step -> averaged across ranks -> folded into the running averages."""
@@ -96,60 +106,82 @@ class Curvature:
                 layer.nonfinite = bad if layer.nonfinite is None else layer.nonfinite | bad
 
     # ------------------------------------------------------------------ stage 2: second order
-    def update_second_order(self, damping: float) -> bool:
-        """Decompose the factors this rank owns, then send each part to the layer's other gradient workers.
-
-        Returns whether layers were dropped (the placement must then be recomputed).
-        """
-        dropped = self._exclude_silent_layers()
+    def update_second_order(self, damping: float) -> None:
+        """Decompose the factors this rank owns, agree on which layers are ready, and send each part to the
+        layer's other gradient workers."""
         with self.timer("decomposition"):
-            self.decompose(damping)
+            missing = self.decompose(damping)
         with self.timer("decomposition_comm"):
+            self._agree_ready(missing)
             self.broadcast()
-        self.has_decompositions = True
-        return dropped
 
-    def _exclude_silent_layers(self) -> bool:
-        """Drop layers whose hooks never fired (e.g. ``MultiheadAttention.out_proj``, used functionally)."""
-        silent = [n for n, s in self.layers.items() if not (s.seen_a and s.seen_g)]
-        for name in silent:
-            logger.warning(
-                "K-FAC: layer '%s' never ran its forward/backward through the module (its weight is used "
-                "functionally?); it keeps its plain gradient. Silence this with skip_layers=[%r].",
-                name,
-                "^" + re.escape(name) + "$",
-            )
-            self.layers.pop(name).remove_hooks()
-        return bool(silent)
+    def decompose(self, damping: float) -> dict[str, int]:
+        """Decompose (or invert) the factors this rank owns; keep the last good result on failure.
 
-    def decompose(self, damping: float) -> None:
-        """Decompose (or invert) the factors this rank owns; keep the last good result on failure."""
+        Returns, for layers this rank cannot provide a part of, why: 1 = no factor yet (the layer has not
+        run), 2 = its decomposition failed even in float64 and there is no earlier one.
+        """
         self._warn_nonfinite_factors()
+        missing: dict[str, int] = {}
         jobs: list[tuple[LayerState, str, torch.Tensor]] = []
         for layer in self.layers.values():
             for kind in ("a", "g"):
+                if not self.owns(layer, kind):
+                    continue
                 factor = getattr(layer, f"{kind}_factor")
-                if self.owns(layer, kind) and factor is not None:
+                if factor is None:
+                    missing[layer.name] = max(missing.get(layer.name, 0), _NOT_RUN)
+                else:
                     jobs.append((layer, kind, factor))
         batch = self.comm.world_size == 1 and any(f.is_cuda for _, _, f in jobs)
         results = self.method.decompose([f for _, _, f in jobs], damping, batch)
         for (layer, kind, _), res in zip(jobs, results):
-            if res is None:
-                self.warn(
-                    f"decomp:{layer.name}/{kind}",
-                    "K-FAC: decomposition of factor %s of layer '%s' failed even in float64; keeping the "
-                    "last good one",
-                    kind.upper(),
-                    layer.name,
-                )
+            if res is not None:
+                layer.parts[kind] = res
                 continue
-            layer.parts[kind] = res
-        if not self.method.derived:
+            kept = kind in layer.parts
+            if not kept:
+                missing[layer.name] = _FAILED
+            self.warn(
+                f"decomp:{layer.name}/{kind}",
+                "K-FAC: decomposition of factor %s of layer '%s' failed even in float64; %s",
+                kind.upper(),
+                layer.name,
+                "keeping the last good one"
+                if kept
+                else "no earlier one to fall back on: its gradient stays plain until one succeeds",
+            )
+        if self.method.derived:
+            for layer in self.layers.values():
+                a, g = layer.parts.get("a"), layer.parts.get("g")
+                if a is not None and g is not None and self.owns(layer, "g"):
+                    layer.parts.update(self.method.derive(a, g, damping))
+        return missing
+
+    def _agree_ready(self, missing: dict[str, int]) -> None:
+        """Every rank learns which layers have all their parts: one small all-reduce, and only while some
+        layer is not ready yet (a ready layer stays ready: its owners keep the last good parts)."""
+        pending = [layer for layer in self.layers.values() if not layer.ready]
+        if not pending:
             return
-        for layer in self.layers.values():
-            a, g = layer.parts.get("a"), layer.parts.get("g")
-            if a is not None and g is not None and self.owns(layer, "g"):
-                layer.parts.update(self.method.derive(a, g, damping))
+        flags = torch.tensor([float(missing.get(layer.name, 0)) for layer in pending])
+        self.comm.all_reduce_max(flags, "decomposition_status")
+        for layer, flag in zip(pending, flags.tolist()):
+            layer.ready = flag == 0
+            layer.not_ready_reason = (
+                None
+                if layer.ready
+                else ("did_not_run" if flag == _NOT_RUN else "decomposition_failed")
+            )
+            if missing.get(layer.name) == _NOT_RUN:  # logged by the rank that lacks the factor
+                self.warn(
+                    f"not_run:{layer.name}",
+                    "K-FAC: layer '%s' has not run through its module (used functionally? a skipped "
+                    "branch?); it keeps its plain gradient until it does, checked at every decomposition. "
+                    "Silence this with skip_layers=[%r].",
+                    layer.name,
+                    "^" + re.escape(layer.name) + "$",
+                )
 
     def owns(self, layer: LayerState, part: str) -> bool:
         """Whether this rank computes ``part`` of the layer (derived parts: the G owner)."""
@@ -165,7 +197,11 @@ class Curvature:
         for layer in self.layers.values():
             work = layer.work
             assert work is not None
-            if self.comm.rank not in work.grad_workers or len(work.grad_workers) == 1:
+            if (
+                not layer.ready
+                or self.comm.rank not in work.grad_workers
+                or len(work.grad_workers) == 1
+            ):
                 continue
             for part in ("a", "g", *self.method.derived):
                 res = layer.parts.get(part)

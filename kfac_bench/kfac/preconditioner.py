@@ -18,14 +18,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import assignment as asg
 from . import checkpoint
 from .capture import Capture
 from .comm import Communicator
+from .coverage import Coverage
 from .curvature import Curvature
-from .layers import NOT_SUPPORTED, handler_for
 from .log import WarnOnce, logger
 from .options import (
     AssignmentStrategy,
@@ -36,6 +37,7 @@ from .options import (
     Placement,
     parse_grad_worker_fraction,
 )
+from .registration import scan_model
 from .schedules import Scheduled, is_due, resolve
 from .second_order import second_order_method
 from .state import LayerState, result_bytes, tensor_bytes
@@ -45,7 +47,8 @@ __all__ = ["STAGES", "KFACPreconditioner"]
 
 
 class KFACPreconditioner:
-    """Distributed K-FAC preconditioner for the ``nn.Linear`` and ``nn.Conv2d`` layers of a model.
+    """Distributed K-FAC preconditioner for the ``nn.Linear`` and ``nn.Conv2d`` layers of a model (and any
+    layer type registered with :func:`~kfac_bench.kfac.register_layer_type`).
 
     ``step()`` rewrites the ``.grad`` of every registered layer with its K-FAC preconditioned (and KL-clipped)
     gradient; any optimizer then applies it. Other parameters keep their plain gradients.
@@ -80,6 +83,20 @@ class KFACPreconditioner:
         comm_dtype: dtype of the factor communication (e.g. ``torch.bfloat16``); default: the factor dtype.
         track_stage_times: accumulate wall time per stage (synchronising CUDA around stages), see
             :meth:`stage_times`.
+        process_group: the ranks K-FAC runs over (default: the world), e.g. the data-parallel group under
+            tensor or pipeline parallelism, or a group of one rank to stay local inside a distributed job.
+            Every member must construct its preconditioner with the same group.
+        coverage_threshold: warn once at construction if the layers preconditioned hold less than this share
+            of the parameters a K-FAC layer type could hold (see :meth:`coverage`).
+
+    Note:
+        What the hooks count and when (one micro-batch = one backward pass; eval-mode forwards ignored; AMP)
+        is the contract in :mod:`kfac_bench.kfac.capture`. Layers are chosen by
+        :func:`~kfac_bench.kfac.registration.scan_model`: registered types
+        (:func:`~kfac_bench.kfac.register_layer_type`), minus ``skip_layers``, grouped convolutions, weights
+        used functionally and weights tied to another module (one log line names them), with frozen biases
+        left out of the block. A layer that has no factors yet, or whose first decomposition failed even in
+        float64, keeps its plain gradient and is checked again at every decomposition step.
     """
 
     def __init__(
@@ -109,6 +126,8 @@ class KFACPreconditioner:
         symmetry_aware: bool = False,
         comm_dtype: torch.dtype | None = None,
         track_stage_times: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+        coverage_threshold: float = 0.5,
     ) -> None:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
@@ -139,8 +158,16 @@ class KFACPreconditioner:
         )
         self.timer = StageTimer(track_stage_times)
         self._warn = WarnOnce()
-        self.layers: dict[str, LayerState] = self._register(model)
-        self.comm = Communicator({}, allreduce_bucket_cap_mb, symmetry_aware, comm_dtype)
+        self.coverage_threshold = coverage_threshold
+        self._scan = scan_model(model, skip_layers)
+        self.layers: dict[str, LayerState] = {
+            s.name: LayerState(s.name, s.module, s.handler, s.a_dim, s.g_dim, s.bias)
+            for s in self._scan.layers
+        }
+        self._log_registration()
+        self.comm = Communicator(
+            {}, allreduce_bucket_cap_mb, symmetry_aware, comm_dtype, group=process_group
+        )
         fraction = parse_grad_worker_fraction(grad_worker_fraction)
         if isinstance(fraction, DistributedStrategy):
             fraction = fraction.fraction(self.comm.world_size)
@@ -156,7 +183,6 @@ class KFACPreconditioner:
             warn=self._warn,
         )
         self.capture = Capture(
-            model,
             self.layers,
             factor_dtype=self.factor_dtype,
             scaling=self.factor_scaling,
@@ -168,33 +194,30 @@ class KFACPreconditioner:
         self.capture.start_step(is_due(self.factor_update_steps, 0))
 
     # ------------------------------------------------------------------ registration and placement
-    def _register(self, model: nn.Module) -> dict[str, LayerState]:
-        layers: dict[str, LayerState] = {}
-        skipped, unsupported = [], []
-        for name, module in model.named_modules():
-            handler = handler_for(module)
-            if handler is None:
-                if isinstance(module, NOT_SUPPORTED):
-                    unsupported.append(f"{name} ({type(module).__name__})")
+    def _log_registration(self) -> None:
+        """One line per set of tied weights, one coverage line, one warning below the threshold."""
+        reported: set[frozenset[str]] = set()
+        for name, others in self._scan.tied.items():
+            holders = frozenset([name, *others])
+            if holders in reported:
                 continue
-            if any(p.search(name) or p.search(type(module).__name__) for p in self.skip_layers):
-                skipped.append(name)
-                continue
-            if not module.weight.requires_grad:
-                continue
-            reason = handler.unsupported_reason(module)
-            if reason is not None:
-                unsupported.append(f"{name} ({reason})")
-                continue
-            a_dim = module.weight[0].numel() + (module.bias is not None)
-            layers[name] = LayerState(name, module, handler, a_dim, module.weight.shape[0])
-        logger.info(
-            "K-FAC preconditions %d layers; skipped by skip_layers: %d%s",
-            len(layers),
-            len(skipped),
-            f"; not supported (plain gradient): {', '.join(unsupported)}" if unsupported else "",
-        )
-        return layers
+            reported.add(holders)
+            left = sorted(n for n in holders if n in self._scan.tied)
+            logger.warning(
+                "K-FAC: tied weights: %s hold the same parameter; left out (plain gradient): %s",
+                ", ".join(repr(n) for n in sorted(holders)),
+                ", ".join(repr(n) for n in left),
+            )
+        cov = self.coverage()
+        logger.info("%s", cov)
+        if cov.below_threshold:
+            logger.warning(
+                "K-FAC covers only %.1f%% of the parameters in weight matrices/kernels (threshold %.0f%%): "
+                "register the model's layer types with kfac_bench.kfac.register_layer_type or revise "
+                "skip_layers",
+                100 * cov.eligible_share,
+                100 * cov.threshold,
+            )
 
     def _plan(self) -> None:
         """(Re)compute the placement of every layer. Deterministic, so every rank agrees unasked."""
@@ -228,28 +251,45 @@ class KFACPreconditioner:
             ``optimizer.step()``; once per optimizer step, after all ``accumulation_steps`` micro-batches.
         """
         step = self.steps
+        if self.capture.collecting:
+            self._check_micro_batches()
         if is_due(self.factor_update_steps, step):
             self.curvature.update_factors(resolve(self.factor_decay, step))
-        if is_due(self.inv_update_steps, step) and self.curvature.update_second_order(
-            resolve(self.damping, step)
-        ):
-            self._plan()
+        if is_due(self.inv_update_steps, step):
+            self.curvature.update_second_order(resolve(self.damping, step))
         raw = self._layer_gradients()
         grads = self._precondition(raw, resolve(self.damping, step))
         self._scale_and_write(grads, raw, step)
         self.steps += 1
         self.capture.start_step(is_due(self.factor_update_steps, self.steps))
 
+    def _check_micro_batches(self) -> None:
+        """A clear error for ``step()`` before any backward; a warning once if the count looks wrong."""
+        backwards = self.capture.backwards
+        if self.layers and not self.capture.ever:
+            raise RuntimeError(
+                "K-FAC step() was called before any backward pass reached the model's K-FAC layers: call "
+                "loss.backward() on a training-mode forward (model.train(), gradients enabled) first"
+            )
+        if backwards != self.accumulation_steps:
+            self._warn(
+                "micro_batches",
+                "K-FAC: %d backward passes reached the K-FAC layers before step() %d, but "
+                "accumulation_steps=%d (one backward pass is one micro-batch); factors use what ran",
+                backwards,
+                self.steps,
+                self.accumulation_steps,
+            )
+
     # ------------------------------------------------------------------ stage 3: precondition
     def _layer_gradients(self) -> dict[str, torch.Tensor]:
-        """Each registered layer's ``[W b]`` gradient matrix (layers without a gradient are absent)."""
-        if not self.curvature.has_decompositions:
-            return {}
+        """The ``[W b]`` gradient matrix of each ready layer with a gradient (the others stay plain)."""
         out = {}
         for name, layer in self.layers.items():
-            grad = layer.handler.grad(layer.module)
-            if grad is not None:
-                out[name] = grad
+            if layer.ready:
+                grad = layer.handler.grad(layer.module, layer.bias)
+                if grad is not None:
+                    out[name] = grad
         return out
 
     def _precondition(
@@ -294,7 +334,7 @@ class KFACPreconditioner:
             layer = self.layers[name]
             if nu is not None:
                 pg = pg * nu.to(pg.dtype)
-            layer.handler.set_grad(layer.module, pg)
+            layer.handler.set_grad(layer.module, pg, layer.bias)
 
     def _kl_clip_scale(
         self, grads: dict[str, torch.Tensor], raw: dict[str, torch.Tensor], step: int
@@ -324,18 +364,53 @@ class KFACPreconditioner:
         return asg.summary(plan, self.comm.world_size, self.assignment_strategy)
 
     def memory_usage(self) -> dict[str, int]:
-        """Bytes held on this rank by category: running factors, decompositions, batch buffers."""
-        factors = decomps = buffers = 0
+        """Bytes K-FAC holds on this rank, by category. What each counts, to predict it from shapes
+        (``d``: a factor's ``a_dim`` or ``g_dim``, see :func:`~kfac_bench.kfac.scan_model`; byte sizes of
+        ``factor_dtype``, ``inv_dtype`` and ``comm_dtype``):
+
+        * ``factors``: running A and G, ``d²`` each in ``factor_dtype``, from the first factor step; every
+          layer's on every rank with ``factor_reduction='allreduce'``, only the owned ones with ``'reduce'``.
+        * ``decompositions``: the ``"a"``/``"g"`` parts on each gradient worker of a layer, in
+          ``inv_dtype``: ``d² + d`` per factor for ``eigen`` (eigenvectors, eigenvalues), ``d²`` for
+          ``inverse``; from the first decomposition step.
+        * ``outer_products``: ``eigen`` with ``compute_eigenvalue_outer_product``: ``g_dim·a_dim`` per layer
+          on its gradient workers, in ``inv_dtype`` promoted to at least float32.
+        * ``batch_buffers``: this step's accumulated sums, ``d²`` per factor of each layer that ran (in
+          ``factor_dtype``), plus ``a_dim²`` per forward call still waiting for its backward pass; at the
+          peak of a backward pass with one call per layer: ``a_dim² + g_dim²`` per layer (``2·a_dim²`` for A
+          during accumulation, when the pending call coexists with the running sum).
+        * ``comm_buffers``: flat buffers of factor buckets in flight, from the first bucket launched in the
+          last backward pass to ``step()``: ``d²`` (``d(d+1)/2`` with ``symmetry_aware``) per factor, in
+          ``comm_dtype``; 0 at other times and in single-process runs. Receive buffers of decomposition and
+          gradient broadcasts are the ``decompositions``/``outer_products`` and the gradients themselves.
+        * ``total``: the sum.
+        """
+        out = dict.fromkeys(
+            ("factors", "decompositions", "outer_products", "batch_buffers", "comm_buffers"), 0
+        )
         for s in self.layers.values():
-            factors += tensor_bytes(s.a_factor, s.g_factor)
-            decomps += sum(result_bytes(r) for r in s.parts.values())
-            buffers += tensor_bytes(s.a_batch.total, s.g_batch.total)
-        return {
-            "factors": factors,
-            "decompositions": decomps,
-            "buffers": buffers,
-            "total": factors + decomps + buffers,
+            out["factors"] += tensor_bytes(s.a_factor, s.g_factor)
+            out["decompositions"] += result_bytes(s.parts.get("a")) + result_bytes(s.parts.get("g"))
+            out["outer_products"] += sum(
+                result_bytes(r) for k, r in s.parts.items() if k not in ("a", "g")
+            )
+            out["batch_buffers"] += tensor_bytes(
+                s.a_batch.total, s.g_batch.total, *(c.a.sum for c in s.calls)
+            )
+            out["batch_buffers"] += sum(tensor_bytes(a.sum, g.sum) for a, g in s.group)
+        out["comm_buffers"] = self.curvature.comm_bytes()
+        out["total"] = sum(out.values())
+        return out
+
+    def coverage(self) -> Coverage:
+        """Which share of the model K-FAC preconditions and what it left out, by reason
+        (:mod:`kfac_bench.kfac.coverage`). ``coverage().to_dict()`` is JSON-serialisable; ``str()`` is the
+        one line logged at construction. Layers that are not ready after a decomposition step (did not
+        run; first decomposition failed) are reported as left out until they are."""
+        not_ready = {
+            n: s.not_ready_reason for n, s in self.layers.items() if s.not_ready_reason is not None
         }
+        return self._scan.coverage(self.coverage_threshold, not_ready)
 
     def remove(self) -> None:
         """Detach every hook: the model trains as if the preconditioner had never been attached."""

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .assignment import LayerWork
-from .factors import contribution_count, contribution_weight, normalise
+from .factors import normalise
 from .layers import Gram, LayerHandler
 from .options import FactorScaling
 from .second_order import Parts, Result
@@ -17,16 +17,14 @@ from .second_order import Parts, Result
 
 @dataclass
 class Accumulator:
-    """The weighted sum of a factor's micro-batch contributions since the last factor update."""
+    """The weighted sum of a factor's contributions since the last factor update, and its count."""
 
     total: torch.Tensor | None = None
     count: int = 0
 
-    def add(self, gram: Gram, scaling: FactorScaling, is_g: bool, spatial: bool) -> None:
-        w = contribution_weight(scaling, is_g, spatial, gram.positions)
-        contrib = gram.sum if w == 1.0 else gram.sum * w
-        self.total = contrib if self.total is None else self.total.add_(contrib)
-        self.count += contribution_count(scaling, gram.examples, gram.positions)
+    def add(self, weighted_sum: torch.Tensor, count: int) -> None:
+        self.total = weighted_sum if self.total is None else self.total.add_(weighted_sum)
+        self.count += count
 
     def pop(self, scaling: FactorScaling, is_g: bool) -> torch.Tensor | None:
         """The normalised batch factor (None if nothing was accumulated); resets the accumulator."""
@@ -35,6 +33,14 @@ class Accumulator:
         out = normalise(self.total, self.count, scaling, is_g)
         self.total, self.count = None, 0
         return out
+
+
+@dataclass(eq=False)
+class Call:
+    """One forward call of a layer whose output gradient has not arrived yet: its input-factor gram."""
+
+    a: Gram
+    done: bool = False
 
 
 @dataclass
@@ -46,19 +52,23 @@ class LayerState:
     handler: LayerHandler
     a_dim: int
     g_dim: int
+    bias: bool = False  # the block includes a (trainable) bias column
     work: LayerWork | None = None
     a_batch: Accumulator = field(default_factory=Accumulator)
     g_batch: Accumulator = field(default_factory=Accumulator)
+    # Forward calls waiting for their output gradient, and the calls of the running backward pass.
+    calls: list[Call] = field(default_factory=list)
+    group: list[tuple[Gram, Gram]] = field(default_factory=list)
     a_factor: torch.Tensor | None = None
     g_factor: torch.Tensor | None = None
     # Second-order parts held on this rank ("a", "g" and the method's derived parts), see second_order.method.
     parts: Parts = field(default_factory=dict)
+    # Whether every gradient worker of the layer holds valid parts (host state, the same on every rank).
+    ready: bool = False
+    # Why the layer is not ready after a decomposition step: "did_not_run" or "decomposition_failed".
+    not_ready_reason: str | None = None
     # Device-side flag: a non-finite batch factor was skipped since the last check (no host sync to set).
     nonfinite: torch.Tensor | None = None
-    # Gradient hooks registered in this micro-batch's forward that have not fired yet.
-    pending_g: int = 0
-    seen_a: bool = False
-    seen_g: bool = False
     handles: list[RemovableHandle] = field(default_factory=list)
 
     @property
@@ -76,9 +86,7 @@ class LayerState:
 
     @property
     def device(self) -> torch.device:
-        w = self.module.weight
-        assert isinstance(w, torch.Tensor)
-        return w.device
+        return self.handler.parameters(self.module)[0].device
 
     def remove_hooks(self) -> None:
         for h in self.handles:

@@ -34,8 +34,11 @@ HARNESS_ONLY = frozenset(
         "reference_world_size",
     }
 )
-#: Engine arguments the loop supplies (not config fields).
-FROM_LOOP = frozenset({"model", "lr", "accumulation_steps", "grad_scaler"})
+#: Engine arguments that are not config fields: supplied by the loop, or left at the engine's default
+#: (``process_group``: the world; ``coverage_threshold``: until the schema has a field for it).
+FROM_LOOP = frozenset(
+    {"model", "lr", "accumulation_steps", "grad_scaler", "process_group", "coverage_threshold"}
+)
 
 
 def epoch_step_decay(

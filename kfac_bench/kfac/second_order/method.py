@@ -20,7 +20,7 @@ import torch
 
 from ..options import ComputeMethod
 from . import eigen, inverse
-from ._robust import Result
+from ._robust import Result, compute_dtype
 
 Parts = dict[str, Result]
 
@@ -79,7 +79,8 @@ class EigenMethod:
 
     def empty(self, part: str, a_dim: int, g_dim: int, device: torch.device) -> Result:
         if part == "outer":
-            return {"outer": torch.empty(g_dim, a_dim, dtype=self.dtype, device=device)}
+            dt = compute_dtype(self.dtype)  # see eigen.inverse_outer
+            return {"outer": torch.empty(g_dim, a_dim, dtype=dt, device=device)}
         dim = a_dim if part == "a" else g_dim
         return {
             "q": torch.empty(dim, dim, dtype=self.dtype, device=device),
