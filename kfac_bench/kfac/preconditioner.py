@@ -13,7 +13,6 @@ once), :mod:`.assignment` and :mod:`.comm` (where work runs and what is sent), :
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +26,7 @@ from .capture import Capture
 from .comm import Communicator
 from .coverage import Coverage
 from .curvature import Curvature
-from .log import WarnOnce, logger
+from .log import WarnOnce
 from .options import (
     AssignmentStrategy,
     ComputeMethod,
@@ -37,10 +36,10 @@ from .options import (
     Placement,
     parse_grad_worker_fraction,
 )
-from .registration import scan_model
+from .registration import log_scan, scan_model
 from .schedules import Scheduled, is_due, resolve
 from .second_order import second_order_method
-from .state import LayerState, result_bytes, tensor_bytes
+from .state import LayerState, memory_by_category
 from .timing import STAGES, StageTimer
 
 __all__ = ["STAGES", "KFACPreconditioner"]
@@ -144,7 +143,7 @@ class KFACPreconditioner:
         self.compute_method = ComputeMethod.parse(compute_method)
         self.factor_scaling = FactorScaling.parse(factor_scaling)
         self.colocate_factors = colocate_factors
-        self.skip_layers = [re.compile(p) for p in skip_layers]
+        self.skip_layers = list(skip_layers)
         self.grad_scaler = grad_scaler
         self.assignment_strategy = AssignmentStrategy.parse(assignment_strategy)
         self.placement = Placement.parse(placement)
@@ -164,10 +163,11 @@ class KFACPreconditioner:
             s.name: LayerState(s.name, s.module, s.handler, s.a_dim, s.g_dim, s.bias)
             for s in self._scan.layers
         }
-        self._log_registration()
         self.comm = Communicator(
             {}, allreduce_bucket_cap_mb, symmetry_aware, comm_dtype, group=process_group
         )
+        if self.comm.rank == 0:  # every rank scans the same model: one report per group
+            log_scan(self._scan, self.coverage())
         fraction = parse_grad_worker_fraction(grad_worker_fraction)
         if isinstance(fraction, DistributedStrategy):
             fraction = fraction.fraction(self.comm.world_size)
@@ -194,31 +194,6 @@ class KFACPreconditioner:
         self.capture.start_step(is_due(self.factor_update_steps, 0))
 
     # ------------------------------------------------------------------ registration and placement
-    def _log_registration(self) -> None:
-        """One line per set of tied weights, one coverage line, one warning below the threshold."""
-        reported: set[frozenset[str]] = set()
-        for name, others in self._scan.tied.items():
-            holders = frozenset([name, *others])
-            if holders in reported:
-                continue
-            reported.add(holders)
-            left = sorted(n for n in holders if n in self._scan.tied)
-            logger.warning(
-                "K-FAC: tied weights: %s hold the same parameter; left out (plain gradient): %s",
-                ", ".join(repr(n) for n in sorted(holders)),
-                ", ".join(repr(n) for n in left),
-            )
-        cov = self.coverage()
-        logger.info("%s", cov)
-        if cov.below_threshold:
-            logger.warning(
-                "K-FAC covers only %.1f%% of the parameters in weight matrices/kernels (threshold %.0f%%): "
-                "register the model's layer types with kfac_bench.kfac.register_layer_type or revise "
-                "skip_layers",
-                100 * cov.eligible_share,
-                100 * cov.threshold,
-            )
-
     def _plan(self) -> None:
         """(Re)compute the placement of every layer. Deterministic, so every rank agrees unasked."""
         shapes = [asg.LayerShape(n, s.a_dim, s.g_dim) for n, s in self.layers.items()]
@@ -248,7 +223,11 @@ class KFACPreconditioner:
 
         Note:
             Call after ``loss.backward()`` (after DDP's all-reduce and ``GradScaler.unscale_``) and before
-            ``optimizer.step()``; once per optimizer step, after all ``accumulation_steps`` micro-batches.
+            ``optimizer.step()``; once per optimizer step, after all ``accumulation_steps`` micro-batches
+            (backward passes).
+
+        Raises:
+            RuntimeError: no backward pass has reached the K-FAC layers yet.
         """
         step = self.steps
         if self.capture.collecting:
@@ -269,7 +248,8 @@ class KFACPreconditioner:
         if self.layers and not self.capture.ever:
             raise RuntimeError(
                 "K-FAC step() was called before any backward pass reached the model's K-FAC layers: call "
-                "loss.backward() on a training-mode forward (model.train(), gradients enabled) first"
+                "loss.backward() on a training-mode forward (model.train(), gradients enabled) first (if "
+                "the model reads every K-FAC layer's weight functionally, skip them with skip_layers)"
             )
         if backwards != self.accumulation_steps:
             self._warn(
@@ -385,22 +365,7 @@ class KFACPreconditioner:
           gradient broadcasts are the ``decompositions``/``outer_products`` and the gradients themselves.
         * ``total``: the sum.
         """
-        out = dict.fromkeys(
-            ("factors", "decompositions", "outer_products", "batch_buffers", "comm_buffers"), 0
-        )
-        for s in self.layers.values():
-            out["factors"] += tensor_bytes(s.a_factor, s.g_factor)
-            out["decompositions"] += result_bytes(s.parts.get("a")) + result_bytes(s.parts.get("g"))
-            out["outer_products"] += sum(
-                result_bytes(r) for k, r in s.parts.items() if k not in ("a", "g")
-            )
-            out["batch_buffers"] += tensor_bytes(
-                s.a_batch.total, s.g_batch.total, *(c.a.sum for c in s.calls)
-            )
-            out["batch_buffers"] += sum(tensor_bytes(a.sum, g.sum) for a, g in s.group)
-        out["comm_buffers"] = self.curvature.comm_bytes()
-        out["total"] = sum(out.values())
-        return out
+        return memory_by_category(self.layers.values(), self.curvature.comm_bytes())
 
     def coverage(self) -> Coverage:
         """Which share of the model K-FAC preconditions and what it left out, by reason

@@ -18,6 +18,7 @@ from torch import nn
 
 from .coverage import Coverage
 from .layers import LayerHandler, handler_for
+from .log import logger
 
 #: Module types whose forward reads their child layers' weights directly (functionally), so the children's
 #: hooks never fire: ``F.multi_head_attention_forward`` uses ``out_proj.weight``.
@@ -167,8 +168,34 @@ def _own(module: nn.Module) -> list[nn.Parameter]:
 
 
 def _weight_reason(weight: torch.Tensor) -> str | None:
+    if isinstance(weight, nn.parameter.UninitializedParameter):
+        return "unsupported config (lazy weight not initialised: run one forward before building K-FAC)"
     if not isinstance(weight, nn.Parameter):
         return "unsupported config (weight is not a Parameter: parametrized?)"
     if not weight.is_floating_point():
         return f"unsupported config (weight dtype {weight.dtype})"
     return None
+
+
+def log_scan(scan: ModelScan, coverage: Coverage) -> None:
+    """One line per set of tied weights, one coverage line, one warning below the coverage threshold."""
+    reported: set[frozenset[str]] = set()
+    for name, others in scan.tied.items():
+        holders = frozenset([name, *others])
+        if holders in reported:
+            continue
+        reported.add(holders)
+        logger.warning(
+            "K-FAC: tied weights: %s hold the same parameter; left out (plain gradient): %s",
+            ", ".join(repr(n) for n in sorted(holders)),
+            ", ".join(repr(n) for n in sorted(holders) if n in scan.tied),
+        )
+    logger.info("%s", coverage)
+    if coverage.below_threshold:
+        logger.warning(
+            "K-FAC covers only %.1f%% of the parameters in weight matrices/kernels (threshold %.0f%%): "
+            "register the model's layer types with kfac_bench.kfac.register_layer_type or revise "
+            "skip_layers",
+            100 * coverage.eligible_share,
+            100 * coverage.threshold,
+        )

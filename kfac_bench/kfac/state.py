@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -100,3 +101,21 @@ def tensor_bytes(*tensors: torch.Tensor | None) -> int:
 
 def result_bytes(r: Result | None) -> int:
     return 0 if r is None else tensor_bytes(*r.values())
+
+
+def memory_by_category(layers: Iterable[LayerState], comm_bytes: int) -> dict[str, int]:
+    """Bytes held per category (see ``KFACPreconditioner.memory_usage`` for what each counts)."""
+    out = dict.fromkeys(("factors", "decompositions", "outer_products", "batch_buffers"), 0)
+    for s in layers:
+        out["factors"] += tensor_bytes(s.a_factor, s.g_factor)
+        out["decompositions"] += result_bytes(s.parts.get("a")) + result_bytes(s.parts.get("g"))
+        out["outer_products"] += sum(
+            result_bytes(r) for k, r in s.parts.items() if k not in ("a", "g")
+        )
+        out["batch_buffers"] += tensor_bytes(
+            s.a_batch.total, s.g_batch.total, *(c.a.sum for c in s.calls)
+        )
+        out["batch_buffers"] += sum(tensor_bytes(a.sum, g.sum) for a, g in s.group)
+    out["comm_buffers"] = comm_bytes
+    out["total"] = sum(out.values())
+    return out

@@ -127,9 +127,13 @@ def kfac_kwargs(
 
 def build_preconditioner(model: nn.Module, cfg: KFACConfig, **run: Any) -> Any | None:
     """The engine's preconditioner for ``model`` (the module DDP wraps, not the wrapper), or None when
-    K-FAC is off. ``run`` is passed to :func:`kfac_kwargs`."""
+    K-FAC is off. ``run`` is passed to :func:`kfac_kwargs`. Layer types of third-party libraries
+    (:mod:`kfac_bench.models.layer_types`) are registered first; ``precond.coverage()`` says what it
+    covers."""
     if not cfg.enabled:
         return None
     from kfac_bench.kfac import KFACPreconditioner
+    from kfac_bench.models.layer_types import register_harness_layer_types
 
+    register_harness_layer_types()
     return KFACPreconditioner(model, **kfac_kwargs(cfg, **run))
