@@ -50,7 +50,11 @@ def _graph_task_id() -> int:
 @contextlib.contextmanager
 def _no_autocast(device_type: str) -> Iterator[None]:
     """Disable autocast for ``device_type`` if it is on (factor products run in the factor dtype)."""
-    if device_type in ("cpu", "cuda", "xpu", "mps") and torch.is_autocast_enabled(device_type):
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type without autocast (e.g. meta)
+        enabled = False
+    if enabled:
         with torch.autocast(device_type, enabled=False):
             yield
     else:
