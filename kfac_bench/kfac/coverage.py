@@ -98,12 +98,10 @@ class Coverage:
             names = self.left_out.get(reason, ())
             if not names:
                 continue
+            listed = ", ".join(names[:3]) + (f", +{len(names) - 3} more" if len(names) > 3 else "")
             if reason == "unsupported_type":
-                listed = ", ".join(f"{t}×{n}" for t, n in self.unsupported_types.items())
-            else:
-                listed = ", ".join(names[:3]) + (
-                    f", +{len(names) - 3} more" if len(names) > 3 else ""
-                )
+                types = ", ".join(f"{t}×{n}" for t, n in self.unsupported_types.items())
+                listed = f"{types}: {listed}"
             parts.append(f"{reason.replace('_', ' ')} {len(names)} ({listed})")
         return head + ("; left out: " + "; ".join(parts) if parts else "")
 
