@@ -346,13 +346,14 @@ class KFACPreconditioner:
     def memory_usage(self) -> dict[str, int]:
         """Bytes K-FAC holds on this rank, by category. What each counts, to predict it from shapes
         (``d``: a factor's ``a_dim`` or ``g_dim``, see :func:`~kfac_bench.kfac.scan_model`; byte sizes of
-        ``factor_dtype``, ``inv_dtype`` and ``comm_dtype``):
+        ``factor_dtype``, ``inv_dtype`` and ``comm_dtype``). ``total = factors + decompositions + buffers``;
+        ``outer_products`` is part of ``decompositions``, ``batch_buffers + comm_buffers = buffers``.
 
         * ``factors``: running A and G, ``d²`` each in ``factor_dtype``, from the first factor step; every
           layer's on every rank with ``factor_reduction='allreduce'``, only the owned ones with ``'reduce'``.
-        * ``decompositions``: the ``"a"``/``"g"`` parts on each gradient worker of a layer, in
+        * ``decompositions``: the second-order parts held on each gradient worker of a layer, in
           ``inv_dtype``: ``d² + d`` per factor for ``eigen`` (eigenvectors, eigenvalues), ``d²`` for
-          ``inverse``; from the first decomposition step.
+          ``inverse``, plus the outer products; from the first decomposition step.
         * ``outer_products``: ``eigen`` with ``compute_eigenvalue_outer_product``: ``g_dim·a_dim`` per layer
           on its gradient workers, in ``inv_dtype`` promoted to at least float32.
         * ``batch_buffers``: this step's accumulated sums, ``d²`` per factor of each layer that ran (in
@@ -362,8 +363,7 @@ class KFACPreconditioner:
         * ``comm_buffers``: flat buffers of factor buckets in flight, from the first bucket launched in the
           last backward pass to ``step()``: ``d²`` (``d(d+1)/2`` with ``symmetry_aware``) per factor, in
           ``comm_dtype``; 0 at other times and in single-process runs. Receive buffers of decomposition and
-          gradient broadcasts are the ``decompositions``/``outer_products`` and the gradients themselves.
-        * ``total``: the sum.
+          gradient broadcasts are the decompositions and the gradients themselves.
         """
         return memory_by_category(self.layers.values(), self.curvature.comm_bytes())
 

@@ -108,7 +108,7 @@ def memory_by_category(layers: Iterable[LayerState], comm_bytes: int) -> dict[st
     out = dict.fromkeys(("factors", "decompositions", "outer_products", "batch_buffers"), 0)
     for s in layers:
         out["factors"] += tensor_bytes(s.a_factor, s.g_factor)
-        out["decompositions"] += result_bytes(s.parts.get("a")) + result_bytes(s.parts.get("g"))
+        out["decompositions"] += sum(result_bytes(r) for r in s.parts.values())
         out["outer_products"] += sum(
             result_bytes(r) for k, r in s.parts.items() if k not in ("a", "g")
         )
@@ -117,5 +117,6 @@ def memory_by_category(layers: Iterable[LayerState], comm_bytes: int) -> dict[st
         )
         out["batch_buffers"] += sum(tensor_bytes(a.sum, g.sum) for a, g in s.group)
     out["comm_buffers"] = comm_bytes
-    out["total"] = sum(out.values())
+    out["buffers"] = out["batch_buffers"] + comm_bytes
+    out["total"] = out["factors"] + out["decompositions"] + out["buffers"]
     return out

@@ -212,11 +212,6 @@ def test_collectives_run_only_when_scheduled(fraction: str) -> None:
             assert counts.get("grad_broadcast", 0) == (4 if m < world else 0), (s, counts)
 
 
-def decomp_bytes(memory: dict[str, int]) -> int:
-    """Eigendecompositions and the precomputed eigenvalue outer products together."""
-    return memory["decompositions"] + memory["outer_products"]
-
-
 def test_memory_follows_the_strategy() -> None:
     """MEM-OPT: each rank holds the decompositions of its own layers only; 'reduce': only owned factors."""
     world = 4
@@ -231,17 +226,17 @@ def test_memory_follows_the_strategy() -> None:
     }
     fac = {n: 8 * (w.a_dim**2 + w.g_dim**2) for n, w in plan.items()}
     for rank in range(world):
-        assert decomp_bytes(comm[rank]["memory"]) == sum(eig.values())
+        assert comm[rank]["memory"]["decompositions"] == sum(eig.values())
         assert comm[rank]["memory"]["factors"] == sum(fac.values())
         mplan = mem[rank]["plan"]
         mine = [n for n, w in mplan.items() if w.grad_workers == (rank,)]
-        assert decomp_bytes(mem[rank]["memory"]) == sum(eig[n] for n in mine)
+        assert mem[rank]["memory"]["decompositions"] == sum(eig[n] for n in mine)
         owned = sum(
             8 * w.a_dim**2 * (w.a_owner == rank) + 8 * w.g_dim**2 * (w.g_owner == rank)
             for w in mplan.values()
         )
         assert mem[rank]["memory"]["factors"] == owned
-    total = sum(decomp_bytes(m["memory"]) for m in mem)
+    total = sum(m["memory"]["decompositions"] for m in mem)
     assert total == sum(eig.values())  # together the ranks hold each decomposition exactly once
 
 

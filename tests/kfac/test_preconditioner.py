@@ -336,11 +336,11 @@ def test_memory_usage_reports_categories() -> None:
     mem = p.memory_usage()
     # Factors: A (7x7, 9x9) and G (8x8, 4x4) in float32.
     assert mem["factors"] == 4 * (49 + 64 + 81 + 16)
-    # Eigenvectors + eigenvalues of each factor, and the two outer products (8x7 and 4x9).
-    assert mem["decompositions"] == 4 * (49 + 7 + 64 + 8 + 81 + 9 + 16 + 4)
+    # Eigenvectors + eigenvalues of each factor, plus the two outer products (8x7 and 4x9).
+    assert mem["decompositions"] == 4 * (49 + 7 + 64 + 8 + 81 + 9 + 16 + 4 + 56 + 36)
     assert mem["outer_products"] == 4 * (56 + 36)
-    assert mem["batch_buffers"] == mem["comm_buffers"] == 0
-    assert mem["total"] == sum(v for k, v in mem.items() if k != "total")
+    assert mem["buffers"] == mem["batch_buffers"] == mem["comm_buffers"] == 0
+    assert mem["total"] == mem["factors"] + mem["decompositions"] + mem["buffers"]
 
 
 def test_invalid_options_fail_at_construction() -> None:
