@@ -1,6 +1,6 @@
 """WHERE K-FAC work runs: KAISA's gradient-worker groups and the placement of factors on ranks.
 
-Vocabulary (PAPER.md §2.2): each layer has ``m = max(1, round(grad_worker_fraction · world))`` *gradient
+Vocabulary (KAISA §3.1): each layer has ``m = max(1, round(grad_worker_fraction · world))`` *gradient
 workers*. Ranks are split into contiguous *blocks* ``[b·m, (b+1)·m)`` (the decomposition-broadcast groups);
 each layer lives in one block: one rank of the block decomposes A, one decomposes G (the same rank when
 ``colocate_factors``), and every rank of the block receives both decompositions and preconditions the layer.
@@ -20,7 +20,12 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .options import AssignmentStrategy, Placement
+from .options import (
+    AssignmentStrategy,
+    DistributedStrategy,
+    Placement,
+    parse_grad_worker_fraction,
+)
 
 
 @dataclass(frozen=True)
@@ -44,15 +49,18 @@ class LayerWork:
     grad_workers: tuple[int, ...]
 
 
-def grad_workers_per_layer(fraction: float, world_size: int) -> int:
+def grad_workers_per_layer(fraction: float | DistributedStrategy | str, world_size: int) -> int:
     """``max(1, round(fraction · world))``, checked to split the world into equal blocks.
+
+    ``fraction`` is anything :func:`~kfac_bench.kfac.options.parse_grad_worker_fraction` accepts.
 
     Raises:
         ValueError: naming the valid fractions for this world size.
     """
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"grad_worker_fraction must be in (0, 1], got {fraction}")
-    m = max(1, round(fraction * world_size))
+    parsed = parse_grad_worker_fraction(fraction)
+    if isinstance(parsed, DistributedStrategy):
+        parsed = parsed.fraction(world_size)
+    m = max(1, round(parsed * world_size))
     if world_size % m != 0:
         valid = ", ".join(
             f"{d}/{world_size}" for d in range(1, world_size + 1) if world_size % d == 0
@@ -88,7 +96,7 @@ def lpt(costs: Sequence[float], bins: int) -> list[int]:
 def assign(
     layers: Sequence[LayerShape],
     world_size: int,
-    grad_worker_fraction: float = 1.0,
+    grad_worker_fraction: float | DistributedStrategy | str = 1.0,
     strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
     colocate_factors: bool = True,
     placement: Placement | str = Placement.LPT,
@@ -120,7 +128,7 @@ def _round_robin(
     layers: Sequence[LayerShape], world_size: int, split: bool
 ) -> list[tuple[int, int]]:
     """SC20's rule: cycle through ranks one layer at a time, or one factor at a time (A then G) when
-    there are more ranks than layers (PAPER.md §2.1)."""
+    there are more ranks than layers (SC20 §IV; its code cycles ranks with ``itertools.cycle``)."""
     if split:
         return [((2 * i) % world_size, (2 * i + 1) % world_size) for i in range(len(layers))]
     return [(i % world_size, i % world_size) for i in range(len(layers))]

@@ -1,6 +1,6 @@
 """Collectives for distributed K-FAC over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
 
-Three kinds of traffic (PAPER.md §2.1, §2.3):
+Three kinds of traffic (TPDS §4.3; KAISA §3.1):
     * batch factors averaged across ranks (all-reduce, or reduce to the rank that decomposes them), in
       buckets of at most ``bucket_cap_mb``, optionally as packed upper triangles and in a lower precision;
     * decompositions broadcast inside a layer's gradient-worker block on decomposition steps;
@@ -8,6 +8,12 @@ Three kinds of traffic (PAPER.md §2.1, §2.3):
 
 Every rank issues the same collectives in the same order (the order of the preconditioner's layer list),
 which is what makes asynchronous launch safe. ``counts`` tallies collectives by kind for tests and metrics.
+
+All of it runs over one process group (default: the world): ranks, blocks and owners are ranks *of that
+group*, translated to global ranks where torch.distributed expects them (``src``/``dst``). The block and
+receiver groups are created with ``use_local_synchronization``, by their members only, so a preconditioner
+over a subgroup (the data-parallel group under tensor or pipeline parallelism) never waits for ranks outside
+it; a group of one rank communicates nothing.
 """
 
 from __future__ import annotations
@@ -23,10 +29,19 @@ from .assignment import LayerWork
 
 
 def world_info(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
-    """(world size, rank); (1, 0) when torch.distributed is not initialised."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(group), dist.get_rank(group)
-    return 1, 0
+    """(size, rank) of ``group`` (default: the world); (1, 0) when torch.distributed is not initialised.
+
+    Raises:
+        ValueError: this process is not a member of ``group``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("process_group given, but torch.distributed is not initialised")
+        return 1, 0
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"rank {dist.get_rank()} is not a member of the K-FAC process_group")
+    return dist.get_world_size(group), rank
 
 
 def pack_triu(t: torch.Tensor) -> torch.Tensor:
@@ -42,17 +57,6 @@ def unpack_triu(v: torch.Tensor, n: int) -> torch.Tensor:
     out[i, j] = v
     out[j, i] = v
     return out
-
-
-def _new_group(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
-    """A process group of ``ranks``; None for a single rank (nothing to send) and on non-members.
-
-    Collective: every rank must call it, members or not, in the same order.
-    """
-    if len(ranks) == 1:
-        return None
-    group = dist.new_group(list(ranks))
-    return group if isinstance(group, dist.ProcessGroup) else None
 
 
 @dataclass
@@ -131,8 +135,14 @@ class Communicator:
         bucket_cap_mb: float = 25.0,
         symmetry_aware: bool = False,
         comm_dtype: torch.dtype | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
-        self.world_size, self.rank = world_info()
+        self.group = group
+        self.world_size, self.rank = world_info(group)
+        # Global rank of each rank of the group (collectives name src/dst by global rank).
+        self.global_ranks: list[int] = (
+            list(range(self.world_size)) if group is None else dist.get_process_group_ranks(group)
+        )
         self.bucket_cap_mb = bucket_cap_mb
         self.symmetry_aware = symmetry_aware
         self.comm_dtype = comm_dtype
@@ -146,18 +156,30 @@ class Communicator:
         return self.world_size > 1
 
     def set_plan(self, plan: dict[str, LayerWork]) -> None:
-        """Create (once) the block and receiver groups the plan needs. Collective: every rank calls it."""
+        """Create (once) this rank's block and receiver groups. Collective over the members of each."""
         if not self.distributed or not plan:
             return
         m = len(next(iter(plan.values())).grad_workers)
-        blocks = [tuple(range(b, b + m)) for b in range(0, self.world_size, m)]
-        recvs = [tuple(range(j, self.world_size, m)) for j in range(m)]
-        for ranks in blocks:
-            if ranks not in self._block_groups:
-                self._block_groups[ranks] = _new_group(ranks)
-        for ranks in recvs:
-            if ranks not in self._recv_groups:
-                self._recv_groups[ranks] = _new_group(ranks)
+        block_start = self.rank - self.rank % m
+        block = tuple(range(block_start, block_start + m))
+        recv = tuple(range(self.rank % m, self.world_size, m))
+        # The same creation order on every rank (blocks first), as use_local_synchronization requires.
+        if block not in self._block_groups:
+            self._block_groups[block] = self._subgroup(block)
+        if recv not in self._recv_groups:
+            self._recv_groups[recv] = self._subgroup(recv)
+
+    def _subgroup(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+        """The process group of ``ranks`` (ranks of this group); None for one rank: nothing to send."""
+        if len(ranks) == 1:
+            return None
+        if len(ranks) == self.world_size:
+            return self.group  # the whole group: None means the world
+        group = dist.new_group(
+            [self.global_ranks[r] for r in ranks], use_local_synchronization=True
+        )
+        assert isinstance(group, dist.ProcessGroup)
+        return group
 
     # ---------------------------------------------------------------- factors
     def plan_buckets(
@@ -198,9 +220,9 @@ class Communicator:
         self.counts["factor_allreduce" if b.dst is None else "factor_reduce"] += 1
         work: dist.Work | None
         if b.dst is None:
-            work = dist.all_reduce(flat, async_op=True)
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
         else:
-            work = dist.reduce(flat, dst=b.dst, async_op=True)
+            work = dist.reduce(flat, dst=self.global_ranks[b.dst], group=self.group, async_op=True)
         assert work is not None
         return flat, work
 
@@ -209,9 +231,9 @@ class Communicator:
         self, tensors: Sequence[torch.Tensor], src: int, block: tuple[int, ...]
     ) -> list[dist.Work]:
         """Start broadcasting ``tensors`` (in place) from ``src`` to the other ranks of ``block``."""
-        group = self._block_groups.get(block)
-        if group is None:
+        if len(block) == 1:
             return []
+        group = self._block_groups[block]
         self.counts["decomposition_broadcast"] += 1
         return [self._bcast(t, src, group) for t in tensors]
 
@@ -227,12 +249,19 @@ class Communicator:
         return [self._bcast(grad, src, self._recv_groups[ranks])]
 
     def _bcast(self, t: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> dist.Work:
-        work = dist.broadcast(t, src=src, group=group, async_op=True)
+        work = dist.broadcast(t, src=self.global_ranks[src], group=group, async_op=True)
         assert work is not None
         return work
 
     def broadcast_from(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        """Synchronous world broadcast (used for checkpoints only)."""
+        """Synchronous broadcast over the whole group from its rank ``src`` (used for checkpoints only)."""
         if self.distributed:
-            dist.broadcast(t, src=src)
+            dist.broadcast(t, src=self.global_ranks[src], group=self.group)
+        return t
+
+    def all_reduce_max(self, t: torch.Tensor, kind: str) -> torch.Tensor:
+        """Synchronous element-wise maximum over the group, in place (small host-side flags)."""
+        if self.distributed:
+            self.counts[kind] += 1
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t

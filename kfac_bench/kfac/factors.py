@@ -8,7 +8,7 @@ the gradient of the per-example loss.
 ``'per_example'`` (SC20/TPDS ResNet code; textbook K-FAC and KFC, Grosse & Martens 2016):
     A = (1/N) Σₙ Σₜ a aᵀ                  (KFC's Ω: summed over positions)
     G = (1/N) Σₙ (1/T) Σₜ δ δᵀ = (N/T) Σ g gᵀ   (KFC's Γ: averaged over positions)
-    For Linear without extra dimensions (T = 1) these are E[a aᵀ] and E[δ δᵀ] (PAPER.md eq. for F̂ᵢ).
+    For Linear without extra dimensions (T = 1) these are E[a aᵀ] and E[δ δᵀ] (F̂ᵢ = A ⊗ G of TPDS §2.3).
     The SC20 code splits the same Kronecker product A ⊗ G differently for convolutions (A/T², G·T²); the
     eigen method depends only on the product, so its results are identical.
 
@@ -19,13 +19,50 @@ the gradient of the per-example loss.
 
 Both are sums over rows divided by counts, so splitting a batch into accumulated micro-batches (with the loss
 divided by their number) gives the same factors as one pass over the whole batch.
+
+Several calls of a layer in one backward pass (weight sharing across time, two views of a batch, a module
+applied twice) are *position sets of the same examples*: with calls of ``T₁ … T_k`` positions on the same
+``N`` examples, ``T = Σ Tᵢ`` above and ``N`` is counted once (the largest batch dimension among the calls).
+Under ``'kaisa'`` every row of every call is a row of the mean, as in the reference code.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from .layers import Gram
 from .options import FactorScaling
+
+
+def fold(
+    scaling: FactorScaling, spatial: bool, calls: Sequence[tuple[Gram, Gram]]
+) -> tuple[tuple[torch.Tensor, int], tuple[torch.Tensor, int]]:
+    """One backward pass's ``(A sum, count), (G sum, count)`` of a layer from its calls' ``(A, G)`` grams.
+
+    The sums are weighted so that :func:`normalise` of the accumulated sums and counts gives the factors of
+    the module docstring; for one call this is :func:`contribution_weight` and :func:`contribution_count`.
+    """
+    if scaling is FactorScaling.PER_EXAMPLE and len(calls) > 1:
+        positions = sum(g.positions for _, g in calls)
+        examples = max(a.examples for a, _ in calls)
+        a_sum = torch.stack([a.sum for a, _ in calls]).sum(0)
+        g_sum = torch.stack([g.sum for _, g in calls]).sum(0) / positions
+        return (a_sum, examples), (g_sum, examples)
+    sums: list[tuple[torch.Tensor, int]] = []
+    for i, is_g in ((0, False), (1, True)):
+        total: torch.Tensor | None = None
+        count = 0
+        for pair in calls:
+            gram = pair[i]
+            w = contribution_weight(scaling, is_g, spatial, gram.positions)
+            contrib = gram.sum if w == 1.0 else gram.sum * w
+            total = contrib if total is None else total + contrib
+            count += contribution_count(scaling, gram.examples, gram.positions)
+        assert total is not None
+        sums.append((total, count))
+    return sums[0], sums[1]
 
 
 def contribution_weight(scaling: FactorScaling, is_g: bool, spatial: bool, positions: int) -> float:
@@ -53,7 +90,7 @@ def running_average(
     """``decay·running + (1-decay)·batch``; the first update starts from the identity.
 
     This is the reference code's convention (keep ``decay`` of the old average), not the paper's
-    equation, which is written the other way round (PAPER.md §1.1). A non-finite ``batch`` leaves the
+    equation, which is written the other way round (TPDS eq. 14-15). A non-finite ``batch`` leaves the
     running factor unchanged (decided on the device, without a host synchronisation).
     """
     if running is None:

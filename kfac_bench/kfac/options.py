@@ -27,25 +27,71 @@ class StrEnum(str, Enum):
 
 
 class ComputeMethod(StrEnum):
-    """How factors become a preconditioner (PAPER.md §1.1)."""
+    """How factors become a preconditioner: eigendecompositions (TPDS eq. 11-13) or inverses (eq. 9-10)."""
 
     EIGEN = "eigen"
     INVERSE = "inverse"
 
 
 class FactorScaling(StrEnum):
-    """Which code version's normalisation of A and G (PAPER.md §1.1 "G scaling"); see ``layers``."""
+    """Which code version's normalisation of A and G; see :mod:`kfac_bench.kfac.factors`.
+
+    ``per_example``: the SC20/TPDS ResNet code (gpauloski/kfac-pytorch, branch ``kfac-opt``); ``kaisa``: the
+    KAISA-era code (branch ``hybrid-opt``, ``get_cov``), which produced the Mask R-CNN and BERT results.
+    """
 
     PER_EXAMPLE = "per_example"
     KAISA = "kaisa"
 
 
 class DistributedStrategy(StrEnum):
-    """KAISA's named points on the grad-worker-fraction axis (PAPER.md §2.2)."""
+    """KAISA's named points on the grad-worker-fraction axis (KAISA §2.2, §3.1)."""
 
     COMM_OPT = "comm_opt"
     MEM_OPT = "mem_opt"
     HYBRID_OPT = "hybrid_opt"
+
+    def fraction(self, world_size: int) -> float:
+        """The grad-worker fraction this strategy names on ``world_size`` ranks (HYBRID-OPT: 1/2)."""
+        if self is DistributedStrategy.COMM_OPT:
+            return 1.0
+        if self is DistributedStrategy.MEM_OPT:
+            return 1.0 / world_size
+        return 0.5 if world_size > 1 else 1.0
+
+
+def parse_grad_worker_fraction(value: object) -> float | DistributedStrategy:
+    """The one parser of ``grad_worker_fraction``: a number in (0, 1] (also as a string, e.g. ``"0.5"``)
+    or a strategy name (``comm_opt``, ``mem_opt``, ``hybrid_opt``, any case).
+
+    Returns the number as a float, or the :class:`DistributedStrategy` (resolved against the world size by
+    :meth:`DistributedStrategy.fraction`).
+
+    Raises:
+        ValueError: one line naming the value and the valid choices.
+    """
+    if isinstance(value, DistributedStrategy):
+        return value
+    choices = ", ".join(s.value for s in DistributedStrategy)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in {s.value for s in DistributedStrategy}:
+            return DistributedStrategy(text)
+        try:
+            number = float(text)
+        except ValueError:
+            raise ValueError(
+                f"grad_worker_fraction={value!r}: give a number in (0, 1] or one of {choices}"
+            ) from None
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    else:
+        raise ValueError(
+            f"grad_worker_fraction={value!r}: give a number in (0, 1] or one of {choices}"
+        )
+    if not 0.0 < number <= 1.0:
+        raise ValueError(f"grad_worker_fraction={value!r} must be in (0, 1] (or one of {choices})")
+    return number
 
 
 class AssignmentStrategy(StrEnum):

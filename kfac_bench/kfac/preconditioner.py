@@ -6,24 +6,27 @@ Usage (any PyTorch loop; with DDP, after its gradient averaging; with AMP, after
     loss.backward()
     precond.step()
     optimizer.step()
+
+The jobs live in their own modules: :mod:`.capture` (hooks), :mod:`.second_order` (the method, chosen
+once), :mod:`.assignment` and :mod:`.comm` (where work runs and what is sent), :mod:`.checkpoint`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import re
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import assignment as asg
-from .comm import Communicator, StepReduction
-from .factors import running_average
-from .layers import NOT_SUPPORTED, handler_for
+from . import checkpoint
+from .capture import Capture
+from .comm import Communicator
+from .coverage import Coverage
+from .curvature import Curvature
+from .log import WarnOnce
 from .options import (
     AssignmentStrategy,
     ComputeMethod,
@@ -31,33 +34,27 @@ from .options import (
     FactorReduction,
     FactorScaling,
     Placement,
+    parse_grad_worker_fraction,
 )
+from .registration import log_scan, scan_model
 from .schedules import Scheduled, is_due, resolve
-from .second_order import Result, eigen, inverse
-from .state import LayerState, result_bytes, tensor_bytes
+from .second_order import second_order_method
+from .state import LayerState, memory_by_category
+from .timing import STAGES, StageTimer
 
-logger = logging.getLogger("kfac_bench.kfac")
-
-STAGES = (
-    "factor",
-    "factor_comm",
-    "decomposition",
-    "decomposition_comm",
-    "precondition",
-    "grad_broadcast",
-    "kl_clip",
-)
+__all__ = ["STAGES", "KFACPreconditioner"]
 
 
 class KFACPreconditioner:
-    """Distributed K-FAC preconditioner for the ``nn.Linear`` and ``nn.Conv2d`` layers of a model.
+    """Distributed K-FAC preconditioner for the ``nn.Linear`` and ``nn.Conv2d`` layers of a model (and any
+    layer type registered with :func:`~kfac_bench.kfac.register_layer_type`).
 
     ``step()`` rewrites the ``.grad`` of every registered layer with its K-FAC preconditioned (and KL-clipped)
     gradient; any optimizer then applies it. Other parameters keep their plain gradients.
 
     Args:
         model: the model (a ``DistributedDataParallel`` wrapper is unwrapped).
-        factor_update_steps: steps between factor updates (PAPER.md §1.2), constant or callable of ``steps``.
+        factor_update_steps: steps between factor updates (TPDS §4.3), constant or callable of ``steps``.
         inv_update_steps: steps between decompositions; preconditioning uses the cached ones in between.
         damping: γ (Tikhonov damping), constant or callable.
         factor_decay: running-average decay (keep this share of the old factor), constant or callable.
@@ -75,7 +72,7 @@ class KFACPreconditioner:
         factor_scaling: ``'per_example'`` or ``'kaisa'`` (see :mod:`kfac_bench.kfac.factors`).
         grad_worker_fraction: share of ranks that precondition each layer: 1 = COMM-OPT, 1/world = MEM-OPT,
             in between HYBRID-OPT; the strings ``'comm_opt'``, ``'mem_opt'`` and ``'hybrid_opt'`` (= 0.5)
-            work too.
+            work too (parsed by :func:`~kfac_bench.kfac.options.parse_grad_worker_fraction`).
         assignment_strategy: cost of a factor for placement, ``'compute'`` (n³) or ``'memory'`` (n²).
         colocate_factors: decompose a layer's A and G on the same rank.
         placement: ``'lpt'`` (KAISA's greedy longest-processing-time) or ``'round_robin'`` (SC20).
@@ -85,6 +82,20 @@ class KFACPreconditioner:
         comm_dtype: dtype of the factor communication (e.g. ``torch.bfloat16``); default: the factor dtype.
         track_stage_times: accumulate wall time per stage (synchronising CUDA around stages), see
             :meth:`stage_times`.
+        process_group: the ranks K-FAC runs over (default: the world), e.g. the data-parallel group under
+            tensor or pipeline parallelism, or a group of one rank to stay local inside a distributed job.
+            Every member must construct its preconditioner with the same group.
+        coverage_threshold: warn once at construction if the layers preconditioned hold less than this share
+            of the parameters a K-FAC layer type could hold (see :meth:`coverage`).
+
+    Note:
+        What the hooks count and when (one micro-batch = one backward pass; eval-mode forwards ignored; AMP)
+        is the contract in :mod:`kfac_bench.kfac.capture`. Layers are chosen by
+        :func:`~kfac_bench.kfac.registration.scan_model`: registered types
+        (:func:`~kfac_bench.kfac.register_layer_type`), minus ``skip_layers``, grouped convolutions, weights
+        used functionally and weights tied to another module (one log line names them), with frozen biases
+        left out of the block. A layer that has no factors yet, or whose first decomposition failed even in
+        float64, keeps its plain gradient and is checked again at every decomposition step.
     """
 
     def __init__(
@@ -114,6 +125,8 @@ class KFACPreconditioner:
         symmetry_aware: bool = False,
         comm_dtype: torch.dtype | None = None,
         track_stage_times: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+        coverage_threshold: float = 0.5,
     ) -> None:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
@@ -130,67 +143,57 @@ class KFACPreconditioner:
         self.compute_method = ComputeMethod.parse(compute_method)
         self.factor_scaling = FactorScaling.parse(factor_scaling)
         self.colocate_factors = colocate_factors
-        self.compute_eigenvalue_outer_product = (
-            compute_eigenvalue_outer_product and colocate_factors
-        )
-        self.skip_layers = [re.compile(p) for p in skip_layers]
+        self.skip_layers = list(skip_layers)
         self.grad_scaler = grad_scaler
         self.assignment_strategy = AssignmentStrategy.parse(assignment_strategy)
         self.placement = Placement.parse(placement)
         self.factor_reduction = FactorReduction.parse(factor_reduction)
-        self.track_stage_times = track_stage_times
         self.steps = 0
-
-        param = next(model.parameters(), None)
-        low = param is None or param.dtype in (torch.float16, torch.bfloat16)
-        default = torch.float32 if low or param is None else param.dtype
-        self.factor_dtype = factor_dtype or default
-        self.inv_dtype = inv_dtype or (
-            torch.float64 if self.factor_dtype == torch.float64 else torch.float32
+        self.factor_dtype, self.inv_dtype = _dtypes(model, factor_dtype, inv_dtype)
+        self.method = second_order_method(
+            self.compute_method,
+            self.inv_dtype,
+            compute_eigenvalue_outer_product and colocate_factors,
         )
-
-        self.layers: dict[str, LayerState] = {}
-        self._micro_batches = 0
-        self._reduction: StepReduction | None = None
-        self._register(model)
-        self.comm = Communicator({}, allreduce_bucket_cap_mb, symmetry_aware, comm_dtype)
-        self.grad_worker_fraction = _fraction(grad_worker_fraction, self.comm.world_size)
+        self.timer = StageTimer(track_stage_times)
+        self._warn = WarnOnce()
+        self.coverage_threshold = coverage_threshold
+        self._scan = scan_model(model, skip_layers)
+        self.layers: dict[str, LayerState] = {
+            s.name: LayerState(s.name, s.module, s.handler, s.a_dim, s.g_dim, s.bias)
+            for s in self._scan.layers
+        }
+        self.comm = Communicator(
+            {}, allreduce_bucket_cap_mb, symmetry_aware, comm_dtype, group=process_group
+        )
+        if self.comm.rank == 0:  # every rank scans the same model: one report per group
+            log_scan(self._scan, self.coverage())
+        fraction = parse_grad_worker_fraction(grad_worker_fraction)
+        if isinstance(fraction, DistributedStrategy):
+            fraction = fraction.fraction(self.comm.world_size)
+        self.grad_worker_fraction = fraction
         self._plan()
-        self._collecting = is_due(self.factor_update_steps, 0)
-        self._stage_seconds = dict.fromkeys(STAGES, 0.0)
-        self._warned: set[str] = set()
-        self._has_decompositions = False
-
-    # ------------------------------------------------------------------ registration
-    def _register(self, model: nn.Module) -> None:
-        skipped, unsupported = [], []
-        for name, module in model.named_modules():
-            handler = handler_for(module)
-            if handler is None:
-                if isinstance(module, NOT_SUPPORTED):
-                    unsupported.append(f"{name} ({type(module).__name__})")
-                continue
-            if any(p.search(name) or p.search(type(module).__name__) for p in self.skip_layers):
-                skipped.append(name)
-                continue
-            if not module.weight.requires_grad:
-                continue
-            reason = handler.unsupported_reason(module)
-            if reason is not None:
-                unsupported.append(f"{name} ({reason})")
-                continue
-            a_dim = module.weight[0].numel() + (module.bias is not None)
-            layer = LayerState(name, module, handler, a_dim, module.weight.shape[0])
-            layer.handles.append(module.register_forward_hook(self._forward_hook(layer)))
-            self.layers[name] = layer
-        self._root_handle = model.register_forward_pre_hook(self._count_micro_batch)
-        logger.info(
-            "K-FAC preconditions %d layers; skipped by skip_layers: %d%s",
-            len(self.layers),
-            len(skipped),
-            f"; not supported (plain gradient): {', '.join(unsupported)}" if unsupported else "",
+        self.curvature = Curvature(
+            self.layers,
+            self.comm,
+            self.method,
+            scaling=self.factor_scaling,
+            reduction=self.factor_reduction,
+            timer=self.timer,
+            warn=self._warn,
         )
+        self.capture = Capture(
+            self.layers,
+            factor_dtype=self.factor_dtype,
+            scaling=self.factor_scaling,
+            accumulation_steps=accumulation_steps,
+            grad_scaler=grad_scaler,
+            on_final=self.curvature.factors_final,
+            timer=self.timer,
+        )
+        self.capture.start_step(is_due(self.factor_update_steps, 0))
 
+    # ------------------------------------------------------------------ registration and placement
     def _plan(self) -> None:
         """(Re)compute the placement of every layer. Deterministic, so every rank agrees unasked."""
         shapes = [asg.LayerShape(n, s.a_dim, s.g_dim) for n, s in self.layers.items()]
@@ -213,269 +216,82 @@ class KFACPreconditioner:
         ]
         self.comm.plan_buckets(entries, torch.empty((), dtype=self.factor_dtype).element_size())
 
-    # ------------------------------------------------------------------ hooks
-    def _count_micro_batch(self, module: nn.Module, args: Any) -> None:
-        if self._collecting and torch.is_grad_enabled():
-            self._micro_batches += 1
-
-    def _forward_hook(self, layer: LayerState) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if not (
-                self._collecting and torch.is_grad_enabled() and isinstance(output, torch.Tensor)
-            ):
-                return
-            with self._stage("factor", sync=False):
-                gram = layer.handler.a_gram(module, args[0].detach(), self.factor_dtype)
-                layer.a_batch.add(gram, self.factor_scaling, False, layer.handler.spatial)
-            layer.seen_a = True
-            node = output.grad_fn
-            if node is not None:
-                # A prehook on the node that produced the output sees dL/d(output) even when the output
-                # is later modified in place (e.g. an inplace ReLU), unlike a tensor hook.
-                node.register_prehook(self._grad_hook(layer, module, output.output_nr))
-                layer.pending_g += 1
-
-        return hook
-
-    def _grad_hook(
-        self, layer: LayerState, module: nn.Module, index: int
-    ) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
-        def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
-            g = grad_outputs[index]
-            if g is None:
-                return
-            with self._stage("factor", sync=False):
-                gram = layer.handler.g_gram(module, g.detach(), self.factor_dtype)
-                scale = self._loss_scale()
-                if scale is not None:
-                    gram = gram._replace(sum=gram.sum / scale**2)
-                layer.g_batch.add(gram, self.factor_scaling, True, layer.handler.spatial)
-            layer.seen_g = True
-            layer.pending_g -= 1
-            if layer.pending_g == 0 and self._micro_batches >= self.accumulation_steps:
-                self._layer_factors_ready(layer)
-
-        return hook
-
-    def _layer_factors_ready(self, layer: LayerState) -> None:
-        """The layer's batch factors are final for this step: start reducing them while backward goes on."""
-        if not self.comm.distributed:
-            return
-        if self._reduction is None:
-            self._reduction = self.comm.start_reduction()
-        for kind, acc, is_g in (("g", layer.g_batch, True), ("a", layer.a_batch, False)):
-            f = acc.pop(self.factor_scaling, is_g)
-            if f is not None:
-                self._reduction.add(f"{layer.name}/{kind}", f)
-
-    def _loss_scale(self) -> torch.Tensor | float | None:
-        s = self.grad_scaler
-        if s is None:
-            return None
-        if hasattr(s, "is_enabled"):
-            if not s.is_enabled():
-                return None
-            # The scale as a device tensor: reading it as a float would synchronise every backward hook.
-            scale_async = getattr(s, "_get_scale_async", None)
-            return scale_async() if scale_async is not None else float(s.get_scale())
-        return s()
-
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self) -> None:
-        """Precondition the gradients of this step.
+        """Precondition the gradients of this step: the four stages of one ``KFAC.step()`` (KAISA §3.4).
 
         Note:
             Call after ``loss.backward()`` (after DDP's all-reduce and ``GradScaler.unscale_``) and before
-            ``optimizer.step()``; once per optimizer step, after all ``accumulation_steps`` micro-batches.
+            ``optimizer.step()``; once per optimizer step, after all ``accumulation_steps`` micro-batches
+            (backward passes).
+
+        Raises:
+            RuntimeError: no backward pass has reached the K-FAC layers yet.
         """
         step = self.steps
+        if self.capture.collecting:
+            self._check_micro_batches()
         if is_due(self.factor_update_steps, step):
-            with self._stage("factor"):
-                local = self._batch_factors()
-            with self._stage("factor_comm"):
-                reduced = self._reduce_factors(local)
-            with self._stage("factor"):
-                self._update_running_factors(reduced, resolve(self.factor_decay, step))
+            self.curvature.update_factors(resolve(self.factor_decay, step))
         if is_due(self.inv_update_steps, step):
-            self._exclude_silent_layers()
-            with self._stage("decomposition"):
-                self._update_second_order(resolve(self.damping, step))
-            with self._stage("decomposition_comm"):
-                self._broadcast_second_order()
-            self._has_decompositions = True
-        with self._stage("precondition"):
-            raw = self._layer_gradients()
-            grads = self._precondition_gradients(raw, resolve(self.damping, step))
-        with self._stage("grad_broadcast"):
-            self._broadcast_gradients(grads)
-        with self._stage("kl_clip"):
-            nu = self._kl_clip_scale(grads, raw, step)
-        self._write_gradients(grads, nu)
+            self.curvature.update_second_order(resolve(self.damping, step))
+        raw = self._layer_gradients()
+        grads = self._precondition(raw, resolve(self.damping, step))
+        self._scale_and_write(grads, raw, step)
         self.steps += 1
-        self._collecting = is_due(self.factor_update_steps, self.steps)
-        self._micro_batches = 0
+        self.capture.start_step(is_due(self.factor_update_steps, self.steps))
 
-    def _batch_factors(self) -> list[tuple[str, torch.Tensor, int | None]]:
-        """Normalised batch factors of this step, keyed ``"<layer>/a"``, with their reduction target."""
-        items: list[tuple[str, torch.Tensor, int | None]] = []
-        reduce = self.factor_reduction is FactorReduction.REDUCE
-        for name, layer in self.layers.items():
-            assert layer.work is not None
-            for kind, acc, owner, is_g in (
-                ("a", layer.a_batch, layer.work.a_owner, False),
-                ("g", layer.g_batch, layer.work.g_owner, True),
-            ):
-                f = acc.pop(self.factor_scaling, is_g)
-                if f is not None:
-                    items.append((f"{name}/{kind}", f, owner if reduce else None))
-        return items
-
-    def _reduce_factors(
-        self, items: list[tuple[str, torch.Tensor, int | None]]
-    ) -> dict[str, torch.Tensor]:
-        reduction, self._reduction = self._reduction, None
-        return (reduction or self.comm.start_reduction()).finish(items)
-
-    def _update_running_factors(self, batch: dict[str, torch.Tensor], decay: float) -> None:
-        for name, layer in self.layers.items():
-            for kind in ("a", "g"):
-                f = batch.get(f"{name}/{kind}")
-                if f is None:
-                    continue
-                attr = f"{kind}_factor"
-                setattr(layer, attr, running_average(getattr(layer, attr), f, decay))
-                bad = ~torch.isfinite(f).all()
-                layer.nonfinite = bad if layer.nonfinite is None else layer.nonfinite | bad
-
-    def _exclude_silent_layers(self) -> None:
-        """Drop layers whose hooks never fired (e.g. ``MultiheadAttention.out_proj``, used functionally)."""
-        silent = [n for n, s in self.layers.items() if not (s.seen_a and s.seen_g)]
-        if not silent:
-            return
-        for name in silent:
-            logger.warning(
-                "K-FAC: layer '%s' never ran its forward/backward through the module (its weight is used "
-                "functionally?); it keeps its plain gradient. Silence this with skip_layers=[%r].",
-                name,
-                "^" + re.escape(name) + "$",
+    def _check_micro_batches(self) -> None:
+        """A clear error for ``step()`` before any backward; a warning once if the count looks wrong."""
+        backwards = self.capture.backwards
+        if self.layers and not self.capture.ever:
+            raise RuntimeError(
+                "K-FAC step() was called before any backward pass reached the model's K-FAC layers: call "
+                "loss.backward() on a training-mode forward (model.train(), gradients enabled) first (if "
+                "the model reads every K-FAC layer's weight functionally, skip them with skip_layers)"
             )
-            self.layers.pop(name).remove_hooks()
-        self._plan()
+        if backwards != self.accumulation_steps:
+            self._warn(
+                "micro_batches",
+                "K-FAC: %d backward passes reached the K-FAC layers before step() %d, but "
+                "accumulation_steps=%d (one backward pass is one micro-batch); factors use what ran",
+                backwards,
+                self.steps,
+                self.accumulation_steps,
+            )
 
-    def _update_second_order(self, damping: float) -> None:
-        """Decompose (or invert) the factors this rank owns; keep the last good result on failure."""
-        self._warn_nonfinite_factors()
-        jobs: list[tuple[LayerState, str, torch.Tensor]] = []
-        for layer in self.layers.values():
-            work = layer.work
-            assert work is not None
-            if work.a_owner == self.comm.rank and layer.a_factor is not None:
-                jobs.append((layer, "a", layer.a_factor))
-            if work.g_owner == self.comm.rank and layer.g_factor is not None:
-                jobs.append((layer, "g", layer.g_factor))
-        batch = self.comm.world_size == 1 and any(f.is_cuda for _, _, f in jobs)
-        factors = [f for _, _, f in jobs]
-        if self.compute_method is ComputeMethod.EIGEN:
-            results = eigen.decompose(factors, self.inv_dtype, batch_equal_sizes=batch)
-        else:
-            results = inverse.decompose(factors, self.inv_dtype, damping, batch_equal_sizes=batch)
-        for (layer, kind, _), res in zip(jobs, results):
-            if res is None:
-                self._warn_once(
-                    f"decomp:{layer.name}/{kind}",
-                    "K-FAC: decomposition of factor %s of layer '%s' failed even in float64; keeping the "
-                    "last good one",
-                    kind.upper(),
-                    layer.name,
-                )
-                continue
-            setattr(layer, f"{kind}_decomp", res)
-        if self._uses_outer:
-            for layer in self.layers.values():
-                if (
-                    layer.a_decomp is not None
-                    and layer.g_decomp is not None
-                    and self._owns_g(layer)
-                ):
-                    layer.outer = eigen.inverse_outer(layer.a_decomp, layer.g_decomp, damping)
-
-    def _owns_g(self, layer: LayerState) -> bool:
-        return layer.work is not None and layer.work.g_owner == self.comm.rank
-
-    def _broadcast_second_order(self) -> None:
-        """Send each decomposition from its owner to the other gradient workers of its block."""
-        if not self.comm.distributed:
-            return
-        works = []
-        for layer in self.layers.values():
-            work = layer.work
-            assert work is not None
-            if self.comm.rank not in work.grad_workers or len(work.grad_workers) == 1:
-                continue
-            for kind, owner in (("a", work.a_owner), ("g", work.g_owner)):
-                res = self._ensure_result(layer, kind)
-                works += self.comm.broadcast_in_block(list(res.values()), owner, work.grad_workers)
-            if self._uses_outer:
-                if layer.outer is None:
-                    layer.outer = self._empty_result(layer, "outer")["outer"]
-                works += self.comm.broadcast_in_block(
-                    [layer.outer], work.g_owner, work.grad_workers
-                )
-        for w in works:
-            w.wait()
-
-    def _ensure_result(self, layer: LayerState, kind: str) -> Result:
-        """This layer's ``kind`` decomposition, allocating receive buffers where this rank has none."""
-        res: Result | None = getattr(layer, f"{kind}_decomp")
-        if res is None:
-            res = self._empty_result(layer, kind)
-        elif not all(v.is_contiguous() for v in res.values()):
-            # LAPACK returns column-major eigenvectors and collectives send storage order: an owner sends
-            # (and every receiver holds) row-major copies. Only distributed runs pay for the copy.
-            res = {k: v.contiguous() for k, v in res.items()}
-        setattr(layer, f"{kind}_decomp", res)
-        return res
-
-    def _empty_result(self, layer: LayerState, kind: str) -> Result:
-        """Uninitialised tensors shaped like a ``kind`` ('a', 'g' or 'outer') result, to receive into."""
-        work = layer.work
-        assert work is not None
-        dev, dt = self._device(layer), self.inv_dtype
-        if kind == "outer":
-            return {"outer": torch.empty(work.g_dim, work.a_dim, dtype=dt, device=dev)}
-        dim = work.a_dim if kind == "a" else work.g_dim
-        if self.compute_method is ComputeMethod.EIGEN:
-            return {
-                "q": torch.empty(dim, dim, dtype=dt, device=dev),
-                "eigenvalues": torch.empty(dim, dtype=dt, device=dev),
-            }
-        return {"inverse": torch.empty(dim, dim, dtype=dt, device=dev)}
-
-    @property
-    def _uses_outer(self) -> bool:
-        return self.compute_eigenvalue_outer_product and self.compute_method is ComputeMethod.EIGEN
-
-    def _device(self, layer: LayerState) -> torch.device:
-        w = layer.module.weight
-        assert isinstance(w, torch.Tensor)
-        return w.device
-
+    # ------------------------------------------------------------------ stage 3: precondition
     def _layer_gradients(self) -> dict[str, torch.Tensor]:
-        """Each registered layer's ``[W b]`` gradient matrix (layers without a gradient are absent)."""
-        if not self._has_decompositions:
-            return {}
+        """The ``[W b]`` gradient matrix of each ready layer with a gradient (the others stay plain)."""
         out = {}
         for name, layer in self.layers.items():
-            grad = layer.handler.grad(layer.module)
-            if grad is not None:
-                out[name] = grad
+            if layer.ready:
+                grad = layer.handler.grad(layer.module, layer.bias)
+                if grad is not None:
+                    out[name] = grad
         return out
+
+    def _precondition(
+        self, raw: dict[str, torch.Tensor], damping: float
+    ) -> dict[str, torch.Tensor]:
+        """Preconditioned gradients on the gradient workers, then broadcast to the other ranks."""
+        with self.timer("precondition"):
+            grads = self._precondition_gradients(raw, damping)
+        with self.timer("grad_broadcast"):
+            works = []
+            for name, g in grads.items():
+                work = self.layers[name].work
+                assert work is not None
+                works += self.comm.broadcast_grad(g, work)
+            for w in works:
+                w.wait()
+        return grads
 
     def _precondition_gradients(
         self, raw: dict[str, torch.Tensor], damping: float
     ) -> dict[str, torch.Tensor]:
-        """Preconditioned gradients: computed where this rank is a gradient worker, else receive buffers."""
+        """Preconditioned gradients where this rank is a gradient worker, else receive buffers."""
         out = {}
         for name, grad in raw.items():
             layer = self.layers[name]
@@ -484,24 +300,21 @@ class KFACPreconditioner:
             if self.comm.rank not in work.grad_workers:
                 out[name] = torch.empty_like(grad)  # receive buffer for the gradient broadcast
                 continue
-            if self.compute_method is ComputeMethod.EIGEN:
-                assert layer.a_decomp is not None and layer.g_decomp is not None
-                out[name] = eigen.precondition(
-                    grad, layer.a_decomp, layer.g_decomp, damping, layer.outer
-                )
-            else:
-                assert layer.a_decomp is not None and layer.g_decomp is not None
-                out[name] = inverse.precondition(grad, layer.a_decomp, layer.g_decomp)
+            out[name] = self.method.precondition(grad, layer.parts, damping)
         return out
 
-    def _broadcast_gradients(self, grads: dict[str, torch.Tensor]) -> None:
-        works = []
-        for name, g in grads.items():
-            work = self.layers[name].work
-            assert work is not None
-            works += self.comm.broadcast_grad(g, work)
-        for w in works:
-            w.wait()
+    # ------------------------------------------------------------------ stage 4: KL clip, write
+    def _scale_and_write(
+        self, grads: dict[str, torch.Tensor], raw: dict[str, torch.Tensor], step: int
+    ) -> None:
+        """Scale by the KL-clip factor ν (TPDS eq. 16) and write the gradients back into ``.grad``."""
+        with self.timer("kl_clip"):
+            nu = self._kl_clip_scale(grads, raw, step)
+        for name, pg in grads.items():
+            layer = self.layers[name]
+            if nu is not None:
+                pg = pg * nu.to(pg.dtype)
+            layer.handler.set_grad(layer.module, pg, layer.bias)
 
     def _kl_clip_scale(
         self, grads: dict[str, torch.Tensor], raw: dict[str, torch.Tensor], step: int
@@ -518,59 +331,12 @@ class KFACPreconditioner:
         # |vg| = 0 gives sqrt(inf) -> clamped to 1: no scaling, as the reference does.
         return torch.sqrt(kappa / vg.abs()).clamp(max=1.0)
 
-    def _write_gradients(self, grads: dict[str, torch.Tensor], nu: torch.Tensor | None) -> None:
-        for name, pg in grads.items():
-            layer = self.layers[name]
-            if nu is not None:
-                pg = pg * nu.to(pg.dtype)
-            layer.handler.set_grad(layer.module, pg)
-
-    # ------------------------------------------------------------------ robustness helpers
-    def _warn_nonfinite_factors(self) -> None:
-        """One host sync for all layers: name the ones that had a non-finite batch factor skipped."""
-        flagged = [(n, s) for n, s in self.layers.items() if s.nonfinite is not None]
-        if not flagged:
-            return
-        values = torch.stack([s.nonfinite for _, s in flagged]).tolist()  # type: ignore[misc]
-        for (name, layer), bad in zip(flagged, values):
-            layer.nonfinite = None
-            if bad:
-                self._warn_once(
-                    f"nonfinite:{name}",
-                    "K-FAC: a non-finite batch factor of layer '%s' was skipped (running factors kept)",
-                    name,
-                )
-
-    def _warn_once(self, key: str, msg: str, *args: object) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning(msg, *args)
-
-    @contextlib.contextmanager
-    def _stage(self, name: str, sync: bool = True) -> Iterator[None]:
-        """Add the block's wall time to a stage. ``sync=False`` (inside hooks, where synchronising CUDA
-        per layer would stall the pipeline) measures host time only, exact on CPU."""
-        if not self.track_stage_times:
-            yield
-            return
-        if sync:
-            self._sync()
-        t0 = time.perf_counter()
-        yield
-        if sync:
-            self._sync()
-        self._stage_seconds[name] += time.perf_counter() - t0
-
-    def _sync(self) -> None:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-
     # ------------------------------------------------------------------ introspection / lifecycle
     def stage_times(self) -> dict[str, float]:
         """Cumulative seconds per stage since construction (zeros unless ``track_stage_times``).
 
         ``factor`` includes the factor work done inside the forward and backward hooks."""
-        return dict(self._stage_seconds)
+        return dict(self.timer.seconds)
 
     def assignment_summary(self) -> str:
         """Per-rank load and memory of the current placement, as a table."""
@@ -578,25 +344,42 @@ class KFACPreconditioner:
         return asg.summary(plan, self.comm.world_size, self.assignment_strategy)
 
     def memory_usage(self) -> dict[str, int]:
-        """Bytes held on this rank by category: running factors, decompositions, batch buffers."""
-        factors = decomps = buffers = 0
-        for s in self.layers.values():
-            factors += tensor_bytes(s.a_factor, s.g_factor)
-            decomps += result_bytes(s.a_decomp) + result_bytes(s.g_decomp) + tensor_bytes(s.outer)
-            buffers += tensor_bytes(s.a_batch.total, s.g_batch.total)
-        return {
-            "factors": factors,
-            "decompositions": decomps,
-            "buffers": buffers,
-            "total": factors + decomps + buffers,
+        """Bytes K-FAC holds on this rank, by category. What each counts, to predict it from shapes
+        (``d``: a factor's ``a_dim`` or ``g_dim``, see :func:`~kfac_bench.kfac.scan_model`; byte sizes of
+        ``factor_dtype``, ``inv_dtype`` and ``comm_dtype``). ``total = factors + decompositions + buffers``;
+        ``outer_products`` is part of ``decompositions``, ``batch_buffers + comm_buffers = buffers``.
+
+        * ``factors``: running A and G, ``d²`` each in ``factor_dtype``, from the first factor step; every
+          layer's on every rank with ``factor_reduction='allreduce'``, only the owned ones with ``'reduce'``.
+        * ``decompositions``: the second-order parts held on each gradient worker of a layer, in
+          ``inv_dtype``: ``d² + d`` per factor for ``eigen`` (eigenvectors, eigenvalues), ``d²`` for
+          ``inverse``, plus the outer products; from the first decomposition step.
+        * ``outer_products``: ``eigen`` with ``compute_eigenvalue_outer_product``: ``g_dim·a_dim`` per layer
+          on its gradient workers, in ``inv_dtype`` promoted to at least float32.
+        * ``batch_buffers``: this step's accumulated sums, ``d²`` per factor of each layer that ran (in
+          ``factor_dtype``), plus ``a_dim²`` per forward call still waiting for its backward pass; at the
+          peak of a backward pass with one call per layer: ``a_dim² + g_dim²`` per layer (``2·a_dim²`` for A
+          during accumulation, when the pending call coexists with the running sum).
+        * ``comm_buffers``: flat buffers of factor buckets in flight, from the first bucket launched in the
+          last backward pass to ``step()``: ``d²`` (``d(d+1)/2`` with ``symmetry_aware``) per factor, in
+          ``comm_dtype``; 0 at other times and in single-process runs. Receive buffers of decomposition and
+          gradient broadcasts are the decompositions and the gradients themselves.
+        """
+        return memory_by_category(self.layers.values(), self.curvature.comm_bytes())
+
+    def coverage(self) -> Coverage:
+        """Which share of the model K-FAC preconditions and what it left out, by reason
+        (:mod:`kfac_bench.kfac.coverage`). ``coverage().to_dict()`` is JSON-serialisable; ``str()`` is the
+        one line logged at construction. Layers that are not ready after a decomposition step (did not
+        run; first decomposition failed) are reported as left out until they are."""
+        not_ready = {
+            n: s.not_ready_reason for n, s in self.layers.items() if s.not_ready_reason is not None
         }
+        return self._scan.coverage(self.coverage_threshold, not_ready)
 
     def remove(self) -> None:
         """Detach every hook: the model trains as if the preconditioner had never been attached."""
-        for layer in self.layers.values():
-            layer.remove_hooks()
-        self._root_handle.remove()
-        self._collecting = False
+        self.capture.remove()
 
     def state_dict(self, include_decompositions: bool = False) -> dict[str, Any]:
         """Steps, constant hyperparameters and every layer's running factors (gathered from their owners).
@@ -605,117 +388,21 @@ class KFACPreconditioner:
         With ``include_decompositions`` the current decompositions are saved too, so that a resumed run
         continues bit-identically even between decomposition steps.
         """
-        hyper = {
-            k: getattr(self, k)
-            for k in (
-                "factor_update_steps",
-                "inv_update_steps",
-                "damping",
-                "factor_decay",
-                "kl_clip",
-                "lr",
-            )
-            if not callable(getattr(self, k))
-        }
-        layers: dict[str, dict[str, Any]] = {}
-        for name, layer in self.layers.items():
-            work = layer.work
-            assert work is not None
-            entry: dict[str, Any] = {}
-            for kind, owner, dim in (
-                ("a", work.a_owner, work.a_dim),
-                ("g", work.g_owner, work.g_dim),
-            ):
-                entry[f"{kind}_factor"] = self._gather(getattr(layer, f"{kind}_factor"), owner, dim)
-            if include_decompositions and self._has_decompositions:
-                entry["decompositions"] = self._gather_decompositions(layer)
-            layers[name] = entry
-        return {"steps": self.steps, "hyperparameters": hyper, "layers": layers}
-
-    def _gather(self, t: torch.Tensor | None, owner: int, dim: int) -> torch.Tensor | None:
-        if not self.comm.distributed or self.factor_reduction is FactorReduction.ALLREDUCE:
-            return None if t is None else t.clone()
-        # Whether the owner has the factor yet is host state shared by all ranks (same step count).
-        has = torch.tensor([t is not None], dtype=torch.int32)
-        self.comm.broadcast_from(has, owner)
-        if not has.item():
-            return None
-        buf = t.clone() if t is not None else torch.empty(dim, dim, dtype=self.factor_dtype)
-        return self.comm.broadcast_from(buf, owner)
-
-    def _gather_decompositions(self, layer: LayerState) -> dict[str, Result | None]:
-        """The layer's decompositions (and outer product), from its first gradient worker to every rank."""
-        work = layer.work
-        assert work is not None
-        parts: dict[str, Result | None] = {"a": layer.a_decomp, "g": layer.g_decomp}
-        if self._uses_outer:
-            parts["outer"] = None if layer.outer is None else {"outer": layer.outer}
-        if not self.comm.distributed:
-            return {
-                k: None if r is None else {n: v.clone() for n, v in r.items()}
-                for k, r in parts.items()
-            }
-        out: dict[str, Result | None] = {}
-        for kind, res in parts.items():
-            template = res if res is not None else self._empty_result(layer, kind)
-            out[kind] = {
-                n: self.comm.broadcast_from(
-                    v.clone(memory_format=torch.contiguous_format), work.grad_workers[0]
-                )
-                for n, v in template.items()
-            }
-        return out
+        return checkpoint.gather_state(self, include_decompositions)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`. Factors land on each layer's device; decompositions are taken from
         the state when saved, else recomputed now from the restored factors."""
-        self.steps = int(state["steps"])
-        for k, v in state.get("hyperparameters", {}).items():
-            if not callable(getattr(self, k)):
-                setattr(self, k, v)
-        missing = set(self.layers) - set(state["layers"])
-        if missing:
-            raise KeyError(f"K-FAC state has no factors for layers: {sorted(missing)}")
-        has_decomp = False
-        for name, layer in self.layers.items():
-            entry = state["layers"][name]
-            work = layer.work
-            assert work is not None
-            dev = self._device(layer)
-            keep_all = self.factor_reduction is FactorReduction.ALLREDUCE
-            for kind, owner in (("a", work.a_owner), ("g", work.g_owner)):
-                t = entry.get(f"{kind}_factor")
-                keep = t is not None and (keep_all or owner == self.comm.rank)
-                setattr(layer, f"{kind}_factor", t.to(dev, self.factor_dtype) if keep else None)
-                layer.seen_a = layer.seen_g = True
-            dec = entry.get("decompositions")
-            if dec is not None:
-                has_decomp = True
-                holds = self.comm.rank in work.grad_workers
-                for kind in ("a", "g"):
-                    res = dec.get(kind)
-                    val = (
-                        {k: v.to(dev) for k, v in res.items()}
-                        if res is not None and holds
-                        else None
-                    )
-                    setattr(layer, f"{kind}_decomp", val)
-                outer = dec.get("outer")
-                layer.outer = outer["outer"].to(dev) if outer is not None and holds else None
-        self._collecting = is_due(self.factor_update_steps, self.steps)
-        if self.steps > 0 and not has_decomp:
-            self._update_second_order(resolve(self.damping, self.steps))
-            self._broadcast_second_order()
-        self._has_decompositions = self.steps > 0
+        checkpoint.restore_state(self, state)
 
 
-def _fraction(value: float | DistributedStrategy | str, world_size: int) -> float:
-    """A grad-worker fraction from a number or a strategy name (HYBRID-OPT's default is 1/2)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    strategy = DistributedStrategy.parse(value)
-    if strategy is DistributedStrategy.COMM_OPT:
-        return 1.0
-    if strategy is DistributedStrategy.MEM_OPT:
-        return 1.0 / world_size
-    return 0.5 if world_size > 1 else 1.0
+def _dtypes(
+    model: nn.Module, factor_dtype: torch.dtype | None, inv_dtype: torch.dtype | None
+) -> tuple[torch.dtype, torch.dtype]:
+    """Factor and decomposition dtypes: float32 for low-precision or float32 models, float64 for float64."""
+    param = next(model.parameters(), None)
+    low = param is None or param.dtype in (torch.float16, torch.bfloat16)
+    default = torch.float32 if low or param is None else param.dtype
+    factor = factor_dtype or default
+    inv = inv_dtype or (torch.float64 if factor == torch.float64 else torch.float32)
+    return factor, inv

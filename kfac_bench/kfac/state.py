@@ -1,7 +1,8 @@
-"""Per-layer state of the preconditioner: accumulators, running factors, decompositions."""
+"""Per-layer state of the preconditioner: accumulators, running factors, second-order parts."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -9,24 +10,22 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .assignment import LayerWork
-from .factors import contribution_count, contribution_weight, normalise
+from .factors import normalise
 from .layers import Gram, LayerHandler
 from .options import FactorScaling
-from .second_order import Result
+from .second_order import Parts, Result
 
 
 @dataclass
 class Accumulator:
-    """The weighted sum of a factor's micro-batch contributions since the last factor update."""
+    """The weighted sum of a factor's contributions since the last factor update, and its count."""
 
     total: torch.Tensor | None = None
     count: int = 0
 
-    def add(self, gram: Gram, scaling: FactorScaling, is_g: bool, spatial: bool) -> None:
-        w = contribution_weight(scaling, is_g, spatial, gram.positions)
-        contrib = gram.sum if w == 1.0 else gram.sum * w
-        self.total = contrib if self.total is None else self.total.add_(contrib)
-        self.count += contribution_count(scaling, gram.examples, gram.positions)
+    def add(self, weighted_sum: torch.Tensor, count: int) -> None:
+        self.total = weighted_sum if self.total is None else self.total.add_(weighted_sum)
+        self.count += count
 
     def pop(self, scaling: FactorScaling, is_g: bool) -> torch.Tensor | None:
         """The normalised batch factor (None if nothing was accumulated); resets the accumulator."""
@@ -35,6 +34,14 @@ class Accumulator:
         out = normalise(self.total, self.count, scaling, is_g)
         self.total, self.count = None, 0
         return out
+
+
+@dataclass(eq=False)
+class Call:
+    """One forward call of a layer whose output gradient has not arrived yet: its input-factor gram."""
+
+    a: Gram
+    done: bool = False
 
 
 @dataclass
@@ -46,21 +53,41 @@ class LayerState:
     handler: LayerHandler
     a_dim: int
     g_dim: int
+    bias: bool = False  # the block includes a (trainable) bias column
     work: LayerWork | None = None
     a_batch: Accumulator = field(default_factory=Accumulator)
     g_batch: Accumulator = field(default_factory=Accumulator)
+    # Forward calls waiting for their output gradient, and the calls of the running backward pass.
+    calls: list[Call] = field(default_factory=list)
+    group: list[tuple[Gram, Gram]] = field(default_factory=list)
     a_factor: torch.Tensor | None = None
     g_factor: torch.Tensor | None = None
-    a_decomp: Result | None = None
-    g_decomp: Result | None = None
-    outer: torch.Tensor | None = None
+    # Second-order parts held on this rank ("a", "g" and the method's derived parts), see second_order.method.
+    parts: Parts = field(default_factory=dict)
+    # Whether every gradient worker of the layer holds valid parts (host state, the same on every rank).
+    ready: bool = False
+    # Why the layer is not ready after a decomposition step: "did_not_run" or "decomposition_failed".
+    not_ready_reason: str | None = None
     # Device-side flag: a non-finite batch factor was skipped since the last check (no host sync to set).
     nonfinite: torch.Tensor | None = None
-    # Gradient hooks registered in this micro-batch's forward that have not fired yet.
-    pending_g: int = 0
-    seen_a: bool = False
-    seen_g: bool = False
     handles: list[RemovableHandle] = field(default_factory=list)
+
+    @property
+    def a_decomp(self) -> Result | None:
+        return self.parts.get("a")
+
+    @property
+    def g_decomp(self) -> Result | None:
+        return self.parts.get("g")
+
+    @property
+    def outer(self) -> torch.Tensor | None:
+        part = self.parts.get("outer")
+        return None if part is None else part["outer"]
+
+    @property
+    def device(self) -> torch.device:
+        return self.handler.parameters(self.module)[0].device
 
     def remove_hooks(self) -> None:
         for h in self.handles:
@@ -74,3 +101,22 @@ def tensor_bytes(*tensors: torch.Tensor | None) -> int:
 
 def result_bytes(r: Result | None) -> int:
     return 0 if r is None else tensor_bytes(*r.values())
+
+
+def memory_by_category(layers: Iterable[LayerState], comm_bytes: int) -> dict[str, int]:
+    """Bytes held per category (see ``KFACPreconditioner.memory_usage`` for what each counts)."""
+    out = dict.fromkeys(("factors", "decompositions", "outer_products", "batch_buffers"), 0)
+    for s in layers:
+        out["factors"] += tensor_bytes(s.a_factor, s.g_factor)
+        out["decompositions"] += sum(result_bytes(r) for r in s.parts.values())
+        out["outer_products"] += sum(
+            result_bytes(r) for k, r in s.parts.items() if k not in ("a", "g")
+        )
+        out["batch_buffers"] += tensor_bytes(
+            s.a_batch.total, s.g_batch.total, *(c.a.sum for c in s.calls)
+        )
+        out["batch_buffers"] += sum(tensor_bytes(a.sum, g.sum) for a, g in s.group)
+    out["comm_buffers"] = comm_bytes
+    out["buffers"] = out["batch_buffers"] + comm_bytes
+    out["total"] = out["factors"] + out["decompositions"] + out["buffers"]
+    return out

@@ -18,6 +18,7 @@ from torch import nn
 
 from kfac_bench.config.schema import KFACConfig
 from kfac_bench.errors import ConfigError
+from kfac_bench.kfac.options import DistributedStrategy, parse_grad_worker_fraction
 from kfac_bench.kfac.schedules import step_decay
 
 __all__ = ["FROM_LOOP", "HARNESS_ONLY", "build_preconditioner", "epoch_step_decay", "kfac_kwargs"]
@@ -33,9 +34,11 @@ HARNESS_ONLY = frozenset(
         "reference_world_size",
     }
 )
-#: Engine arguments the loop supplies (not config fields).
-FROM_LOOP = frozenset({"model", "lr", "accumulation_steps", "grad_scaler"})
-_STRATEGIES = ("comm_opt", "mem_opt", "hybrid_opt")
+#: Engine arguments that are not config fields: supplied by the loop, or left at the engine's default
+#: (``process_group``: the world; ``coverage_threshold``: until the schema has a field for it).
+FROM_LOOP = frozenset(
+    {"model", "lr", "accumulation_steps", "grad_scaler", "process_group", "coverage_threshold"}
+)
 
 
 def epoch_step_decay(
@@ -48,18 +51,12 @@ def epoch_step_decay(
 
 
 def _grad_worker_fraction(value: str) -> float | str:
-    text = str(value).strip().lower()
-    if text in _STRATEGIES:
-        return text
+    """The engine's parse (one place for the rule), its ValueError as a one-line config error."""
     try:
-        fraction = float(text)
-    except ValueError:
-        raise ConfigError(
-            f"kfac.grad_worker_fraction={value!r}: give a number in (0, 1] or one of {', '.join(_STRATEGIES)}"
-        ) from None
-    if not 0 < fraction <= 1:
-        raise ConfigError(f"kfac.grad_worker_fraction={value!r} must be in (0, 1]")
-    return fraction
+        parsed = parse_grad_worker_fraction(value)
+    except ValueError as err:
+        raise ConfigError(f"kfac.{err}") from None
+    return parsed.value if isinstance(parsed, DistributedStrategy) else parsed
 
 
 def _dtype(name: str | None, key: str) -> torch.dtype | None:
@@ -130,9 +127,13 @@ def kfac_kwargs(
 
 def build_preconditioner(model: nn.Module, cfg: KFACConfig, **run: Any) -> Any | None:
     """The engine's preconditioner for ``model`` (the module DDP wraps, not the wrapper), or None when
-    K-FAC is off. ``run`` is passed to :func:`kfac_kwargs`."""
+    K-FAC is off. ``run`` is passed to :func:`kfac_kwargs`. Layer types of third-party libraries
+    (:mod:`kfac_bench.models.layer_types`) are registered first; ``precond.coverage()`` says what it
+    covers."""
     if not cfg.enabled:
         return None
     from kfac_bench.kfac import KFACPreconditioner
+    from kfac_bench.models.layer_types import register_harness_layer_types
 
+    register_harness_layer_types()
     return KFACPreconditioner(model, **kfac_kwargs(cfg, **run))

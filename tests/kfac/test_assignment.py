@@ -117,3 +117,22 @@ def test_summary_names_every_rank_and_the_imbalance() -> None:
     text = summary(assign(layers(4), 2), 2, AssignmentStrategy.COMPUTE)
     assert text.splitlines()[1].split()[0] == "0" and text.splitlines()[2].split()[0] == "1"
     assert "makespan/mean load" in text
+
+
+def test_grad_worker_fraction_is_parsed_in_one_place() -> None:
+    from kfac_bench.kfac import DistributedStrategy, parse_grad_worker_fraction
+
+    assert parse_grad_worker_fraction("0.5") == 0.5 and parse_grad_worker_fraction(1) == 1.0
+    assert parse_grad_worker_fraction(" MEM_OPT ") is DistributedStrategy.MEM_OPT
+    assert DistributedStrategy.MEM_OPT.fraction(8) == 1 / 8
+    assert DistributedStrategy.HYBRID_OPT.fraction(8) == 0.5
+    assert (
+        DistributedStrategy.HYBRID_OPT.fraction(1)
+        == DistributedStrategy.COMM_OPT.fraction(8)
+        == 1.0
+    )
+    for bad in ("fast", 0, 1.5, True, None):
+        with pytest.raises(
+            ValueError, match=r"grad_worker_fraction=.*comm_opt, mem_opt, hybrid_opt"
+        ):
+            parse_grad_worker_fraction(bad)

@@ -9,13 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kfac_bench.kfac.layers import conv_factor
+from kfac_bench.kfac.layers.conv_cost import choose_method
 from kfac_bench.kfac.layers.conv_factor import (
     conv2d_a_factor,
     conv2d_a_factor_shift,
     conv2d_a_factor_unfold,
     fast_method,
 )
+from kfac_bench.kfac.layers.conv_unfold import unfold_chunked
 
 DT = torch.float64
 
@@ -174,12 +175,24 @@ def test_dispatch_shift_for_cifar_layers_and_1x1_unfold_for_many_channels_on_tin
     )
 
 
+def test_dispatch_is_keyed_on_the_device_type():
+    # The fitted constants describe a CPU; a device without a fitted model takes the documented rule
+    # (kfac_bench/kfac/layers/conv_cost.py): shift for 1×1 kernels, unfold otherwise, whatever the shape.
+    args = ((3, 3), (1, 1), (1, 1, 1, 1), (1, 1))
+    shape = (128, 16, 32, 32)
+    assert choose_method("cpu", shape, *args) == "shift"  # the CIFAR layer above
+    for device in ("cuda", "meta", "xpu"):
+        assert choose_method(device, shape, *args) == "unfold"
+        assert choose_method(device, shape, (1, 1), (2, 2), (0, 0, 0, 0), (1, 1)) == "shift"
+    assert fast_method(torch.zeros(shape, device="meta"), *args, False) == "unfold"
+
+
 def test_chunked_unfold_matches_reference():
     # 7×7 kernel on 3 channels: the patches are ~49× the input; without the size floor the batch of 5 is
     # split into chunks of 2 (budget D² = 147², 72·147 patch elements per example).
     x = torch.randn(5, 3, 9, 8, dtype=DT, generator=torch.Generator().manual_seed(5))
     args = (x, (7, 7), (1, 1), (3, 3, 3, 3), (1, 1), True)
-    _assert_close(conv_factor._unfold_chunked(*args, floor=0), conv2d_a_factor_unfold(*args))
+    _assert_close(unfold_chunked(*args, floor=0), conv2d_a_factor_unfold(*args))
 
 
 def test_strided_and_channels_last_inputs_and_stride_three():

@@ -10,6 +10,7 @@ from torch import nn
 from kfac_bench.kfac import KFACPreconditioner
 
 from .reference import eigen_dense
+from .test_amp import LOW, check_conv, check_linear_with_sequence_dims, shift_model, unfold_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -62,3 +63,31 @@ def test_autocast_activations_accumulate_into_float32_factors(dtype: torch.dtype
         state.a_factor.double().cpu(), state.g_factor.double().cpu(), grad.cpu(), 0.01
     )
     assert ((got.cpu() - ref).norm() / ref.norm()).item() < 1e-3
+
+
+# GPU twins of tests/kfac/test_amp.py: the same dense float64 comparisons under CUDA autocast.
+@pytest.mark.parametrize("scaling", ["per_example", "kaisa"])
+@pytest.mark.parametrize("dtype", LOW)
+def test_cuda_autocast_linear_factors_equal_dense_float64(dtype: torch.dtype, scaling: str) -> None:
+    check_linear_with_sequence_dims(dtype, scaling, "cuda")
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_cuda_autocast_conv_factors_equal_dense_float64(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    check_conv(shift_model(), torch.randn(16, 3, 32, 32, generator=gen), "shift", dtype, "cuda")
+    check_conv(unfold_model(), torch.randn(8, 3, 4, 4, generator=gen), "unfold", dtype, "cuda")
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_cuda_shift_kernel_under_autocast_matches_unfold(dtype: torch.dtype) -> None:
+    """The dispatch takes unfold for k×k kernels on CUDA (kfac_bench/kfac/layers/conv_cost.py); the shift
+    kernel itself must still be exact there, whatever autocast state it is called in."""
+    from kfac_bench.kfac.layers.conv_factor import conv2d_a_factor_shift, conv2d_a_factor_unfold
+
+    x = torch.randn(16, 4, 32, 32, generator=torch.Generator().manual_seed(7)).to(dtype)
+    args = ((3, 3), (1, 1), (1, 1, 1, 1), (1, 1), True)
+    with torch.autocast("cuda", dtype=dtype), torch.autocast("cuda", enabled=False):
+        got = conv2d_a_factor_shift(x.cuda().float(), *args)
+    ref = conv2d_a_factor_unfold(x.double(), *args)
+    assert ((got.double().cpu() - ref).norm() / ref.norm()).item() < 1e-5

@@ -209,7 +209,7 @@ def test_remove_restores_plain_training() -> None:
         assert torch.equal(a, b)
 
 
-def test_multihead_attention_trains_and_names_the_silent_layer(
+def test_multihead_attention_out_proj_is_left_out_as_used_functionally(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     class Attn(nn.Module):
@@ -224,22 +224,19 @@ def test_multihead_attention_trains_and_names_the_silent_layer(
             return self.out(self.attn(h, h, h)[0].mean(1))
 
     model = Attn()
-    p = KFACPreconditioner(model)
-    assert "attn.out_proj" in p.layers  # registered: it is an nn.Linear ...
+    with caplog.at_level(logging.INFO, logger="kfac_bench.kfac"):
+        p = KFACPreconditioner(model)
+    # out_proj is an nn.Linear, but F.multi_head_attention_forward reads its weight directly.
+    assert "attn.out_proj" not in p.layers and set(p.layers) == {"inp", "out"}
+    assert p.coverage().left_out["used_functionally"] == ("attn.out_proj",)
+    assert any("used functionally 1 (attn.out_proj)" in r.getMessage() for r in caplog.records)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with caplog.at_level(logging.WARNING, logger="kfac_bench.kfac"):
-        for _ in range(3):
-            x, y = torch.randn(4, 5, 6), torch.randint(0, 4, (4,))
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            p.step()
-            opt.step()
-    # ... but its forward never runs through the module, so it is excluded with a named warning.
-    assert "attn.out_proj" not in p.layers
-    assert any(
-        "attn.out_proj" in r.getMessage() and "skip_layers" in r.getMessage()
-        for r in caplog.records
-    )
+    for _ in range(3):
+        x, y = torch.randn(4, 5, 6), torch.randint(0, 4, (4,))
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        p.step()
+        opt.step()
     assert all(torch.isfinite(q).all() for q in model.parameters())
 
 
@@ -250,7 +247,7 @@ def test_depthwise_convolutions_are_skipped_and_logged(caplog: pytest.LogCapture
     with caplog.at_level(logging.INFO, logger="kfac_bench.kfac"):
         p = KFACPreconditioner(model, inv_update_steps=2)
     text = " ".join(r.getMessage() for r in caplog.records)
-    assert "groups=" in text  # the depthwise layers are named as not supported
+    assert "grouped conv" in text  # the depthwise layers are named as left out
     assert all(
         layer.module.groups == 1
         for layer in p.layers.values()
@@ -331,12 +328,18 @@ def test_memory_usage_reports_categories() -> None:
     model = mlp()
     p = KFACPreconditioner(model, compute_eigenvalue_outer_product=True)
     assert p.memory_usage()["total"] == 0
-    train(model, p, range(1))
+    x, y = batch(0)
+    F.cross_entropy(model(x), y).backward()
+    # During the backward-to-step window the batch sums are held: A (7x7, 9x9) and G (8x8, 4x4).
+    assert p.memory_usage()["batch_buffers"] == 4 * (49 + 64 + 81 + 16)
+    p.step()
     mem = p.memory_usage()
     # Factors: A (7x7, 9x9) and G (8x8, 4x4) in float32.
     assert mem["factors"] == 4 * (49 + 64 + 81 + 16)
     # Eigenvectors + eigenvalues of each factor, plus the two outer products (8x7 and 4x9).
     assert mem["decompositions"] == 4 * (49 + 7 + 64 + 8 + 81 + 9 + 16 + 4 + 56 + 36)
+    assert mem["outer_products"] == 4 * (56 + 36)
+    assert mem["buffers"] == mem["batch_buffers"] == mem["comm_buffers"] == 0
     assert mem["total"] == mem["factors"] + mem["decompositions"] + mem["buffers"]
 
 

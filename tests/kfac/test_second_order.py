@@ -42,7 +42,8 @@ def test_inverse_method_damps_each_factor() -> None:
     assert a is not None and g is not None
     out = inverse.precondition(grad, a, g)
     torch.testing.assert_close(out, inverse_dense(A, G, grad, damping))
-    # ... which is *not* the eigen method's exact (A⊗G + γI)⁻¹ for the same γ (PAPER.md §1.1 remark).
+    # ... which is *not* the eigen method's exact (A⊗G + γI)⁻¹ for the same γ (see the docstring of
+    # kfac_bench/kfac/second_order/inverse.py).
     assert not torch.allclose(out, eigen_dense(A, G, grad, damping), rtol=1e-3)
 
 

@@ -6,15 +6,20 @@ number of examples and output positions) is applied by :mod:`kfac_bench.kfac.fac
 type alike.
 
 Conventions shared by every handler:
-    * The gradient of a layer is one matrix ``[W b]`` of shape ``(g_dim, a_dim)``: the weight reshaped to
-      ``(out_features, -1)`` with the bias (if any) as the last column. Correspondingly the layer's input rows
-      get a constant 1 appended, so ``a_dim = in_features (+1)``.
+    * The gradient of a layer is one matrix ``[W b]`` of shape ``(g_dim, a_dim)``: the weight as an
+      ``(out_features, -1)`` matrix with the bias (if any) as the last column. Correspondingly the layer's
+      input rows get a constant 1 appended, so ``a_dim = in_features (+1)``.
+    * ``bias`` is decided once per layer at registration: the layer has a bias *and* it is trainable. A frozen
+      bias is left out of the block altogether (no column of ones in A, no ``.grad`` written into it).
     * ``N`` is the number of examples (the leading dimension of the input) and ``T`` the number of positions
       that share the weight within one example (output pixels of a convolution, tokens of a sequence).
+    * Handlers are stateless: one instance serves every layer of its type. They are called outside autocast,
+      with ``dtype`` the factor dtype; they upcast inputs themselves (``x.to(dtype)``) before any product.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Protocol
 
 import torch
@@ -30,7 +35,7 @@ class Gram(NamedTuple):
 
 
 class LayerHandler(Protocol):
-    """What one module type contributes. Handlers are stateless; one instance serves every layer of its type.
+    """What one module type contributes (register one with :func:`kfac_bench.kfac.register_layer_type`).
 
     Attributes:
         spatial: whether positions are spatial (the KAISA-era code divides such rows by the spatial size).
@@ -38,25 +43,75 @@ class LayerHandler(Protocol):
 
     spatial: bool
 
-    def unsupported_reason(self, module: nn.Module) -> str | None:
-        """Why ``module`` cannot be preconditioned correctly (it is then skipped and logged), else None."""
+    def parameters(self, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight and the bias (None without one) that the layer's K-FAC block covers."""
         ...
 
-    def a_gram(self, module: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> Gram:
-        """Σ over rows of ``a aᵀ`` (bias 1 appended) from the layer input ``x``, computed in ``dtype``."""
+    def unsupported_reason(self, module: nn.Module) -> str | None:
+        """Why ``module`` cannot be preconditioned correctly, as a short phrase with optional detail in
+        parentheses (e.g. ``"grouped conv (groups=8)"``); it is then left out and reported. None if it can."""
+        ...
+
+    def dims(self, module: nn.Module, bias: bool) -> tuple[int, int]:
+        """``(a_dim, g_dim)`` from the parameter shapes alone (works on the meta device)."""
+        ...
+
+    def a_gram(self, module: nn.Module, x: torch.Tensor, dtype: torch.dtype, bias: bool) -> Gram:
+        """Σ over rows of ``a aᵀ`` (a 1 appended when ``bias``) from the layer input ``x``, in ``dtype``."""
         ...
 
     def g_gram(self, module: nn.Module, g: torch.Tensor, dtype: torch.dtype) -> Gram:
         """Σ over rows of ``g gᵀ`` from ``g``, the gradient w.r.t. the layer output, computed in ``dtype``."""
         ...
 
-    def grad(self, module: nn.Module) -> torch.Tensor | None:
+    def grad(self, module: nn.Module, bias: bool) -> torch.Tensor | None:
         """The current gradient as one ``(g_dim, a_dim)`` matrix, or None if the weight has no gradient."""
         ...
 
-    def set_grad(self, module: nn.Module, grad: torch.Tensor) -> None:
-        """Write a ``(g_dim, a_dim)`` matrix back into the weight and bias ``.grad``."""
+    def set_grad(self, module: nn.Module, grad: torch.Tensor, bias: bool) -> None:
+        """Write a ``(g_dim, a_dim)`` matrix back into the weight (and bias) ``.grad``."""
         ...
+
+
+class WeightBiasHandler:
+    """Shared parts of handlers whose module holds ``weight`` (output dimension first) and ``bias``."""
+
+    spatial = False
+
+    def parameters(self, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        w = module.weight
+        assert isinstance(w, torch.Tensor)
+        b = getattr(module, "bias", None)
+        return w, b if isinstance(b, torch.Tensor) else None
+
+    def unsupported_reason(self, module: nn.Module) -> str | None:
+        return None
+
+    def dims(self, module: nn.Module, bias: bool) -> tuple[int, int]:
+        w, _ = self.parameters(module)
+        return math.prod(w.shape[1:]) + int(bias), w.shape[0]
+
+    def grad(self, module: nn.Module, bias: bool) -> torch.Tensor | None:
+        w, b = self.parameters(module)
+        if w.grad is None:
+            return None
+        g = w.grad.reshape(w.shape[0], -1)
+        if bias:
+            assert b is not None
+            bg = b.grad if b.grad is not None else torch.zeros_like(b)
+            g = torch.cat([g, bg.reshape(-1, 1).to(g.dtype)], dim=1)
+        return g
+
+    def set_grad(self, module: nn.Module, grad: torch.Tensor, bias: bool) -> None:
+        w, b = self.parameters(module)
+        n_w = grad.shape[1] - int(bias)
+        assert w.grad is not None
+        w.grad.copy_(grad[:, :n_w].reshape(w.shape))
+        if bias:
+            assert b is not None
+            if b.grad is None:
+                b.grad = torch.empty_like(b)
+            b.grad.copy_(grad[:, n_w])
 
 
 def gram_with_ones(rows: torch.Tensor, bias: bool) -> torch.Tensor:
@@ -75,31 +130,3 @@ def gram_with_ones(rows: torch.Tensor, bias: bool) -> torch.Tensor:
     out[d, :d] = s
     out[d, d] = rows.shape[0]
     return out
-
-
-def weight_bias_grad(module: nn.Module) -> torch.Tensor | None:
-    """``[W.grad.reshape(out, -1), b.grad]`` for a module with ``weight`` and optional ``bias``."""
-    w = module.weight
-    assert isinstance(w, torch.Tensor)
-    if w.grad is None:
-        return None
-    g = w.grad.reshape(w.shape[0], -1)
-    b = getattr(module, "bias", None)
-    if b is not None:
-        bg: torch.Tensor = b.grad if b.grad is not None else torch.zeros_like(b)
-        g = torch.cat([g, bg.reshape(-1, 1)], dim=1)
-    return g
-
-
-def set_weight_bias_grad(module: nn.Module, grad: torch.Tensor) -> None:
-    """Inverse of :func:`weight_bias_grad`: copy the matrix back into the parameters' ``.grad``."""
-    w = module.weight
-    assert isinstance(w, torch.Tensor)
-    b = getattr(module, "bias", None)
-    n_w = grad.shape[1] - (1 if b is not None else 0)
-    assert w.grad is not None
-    w.grad.copy_(grad[:, :n_w].reshape(w.shape))
-    if b is not None:
-        if b.grad is None:
-            b.grad = torch.empty_like(b)
-        b.grad.copy_(grad[:, n_w])

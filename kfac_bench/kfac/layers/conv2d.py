@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Gram, set_weight_bias_grad, weight_bias_grad
+from .base import Gram, WeightBiasHandler
 from .conv_factor import conv2d_a_factor
 
 
-class Conv2dHandler:
+class Conv2dHandler(WeightBiasHandler):
     """K-FAC contribution of ``nn.Conv2d``: ``N`` examples, ``T = out_h·out_w`` positions.
 
     The input rows are the patches ``p`` (length ``C·kh·kw``, ordered like ``weight.reshape(out, -1)``),
@@ -27,10 +27,10 @@ class Conv2dHandler:
     def unsupported_reason(self, module: nn.Module) -> str | None:
         assert isinstance(module, nn.Conv2d)
         if module.groups != 1:
-            return f"grouped convolution (groups={module.groups}) is not supported"
+            return f"grouped conv (groups={module.groups})"
         return None
 
-    def a_gram(self, module: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> Gram:
+    def a_gram(self, module: nn.Module, x: torch.Tensor, dtype: torch.dtype, bias: bool) -> Gram:
         assert isinstance(module, nn.Conv2d)
         if x.dim() == 3:
             x = x.unsqueeze(0)
@@ -51,7 +51,7 @@ class Conv2dHandler:
             stride=(sh, sw),
             padding=(top, bottom, left, right),
             dilation=(dh, dw),
-            bias=module.bias is not None,
+            bias=bias,
         )
         return Gram(a, x.shape[0], out_h * out_w)
 
@@ -61,9 +61,3 @@ class Conv2dHandler:
         # One (C, N·H·W) copy and one GEMM: measured faster than tensordot or a batched product.
         rows = g.to(dtype).transpose(0, 1).reshape(g.shape[1], -1)
         return Gram(rows @ rows.t(), g.shape[0], g.shape[2] * g.shape[3])
-
-    def grad(self, module: nn.Module) -> torch.Tensor | None:
-        return weight_bias_grad(module)
-
-    def set_grad(self, module: nn.Module, grad: torch.Tensor) -> None:
-        set_weight_bias_grad(module, grad)

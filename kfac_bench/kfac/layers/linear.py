@@ -1,4 +1,4 @@
-"""nn.Linear: factors over every row of the input, any number of leading dimensions."""
+"""nn.Linear and Linear-equivalent layers: factors over every row of the input, any leading dimensions."""
 
 from __future__ import annotations
 
@@ -7,37 +7,68 @@ import math
 import torch
 from torch import nn
 
-from .base import Gram, gram_with_ones, set_weight_bias_grad, weight_bias_grad
+from .base import Gram, WeightBiasHandler, gram_with_ones
 
 
-class LinearHandler:
-    """K-FAC contribution of ``nn.Linear``.
+class LinearHandler(WeightBiasHandler):
+    """K-FAC contribution of ``nn.Linear``, or of any module computing ``y = x Wᵀ + b`` over the last dim.
 
     An input of shape ``(N, *S, in_features)`` gives ``N·prod(S)`` rows: every token of a sequence is a row
     sharing the weight (the reference's "expand" treatment): ``N`` examples, ``T = prod(S)`` positions.
     A 1-D input is one example.
+
+    Args:
+        transposed: the module stores its weight as ``(in_features, out_features)`` (``y = x W + b``), like
+            ``transformers.pytorch_utils.Conv1D``; gradients are transposed on the way in and out.
     """
 
-    spatial = False
+    def __init__(self, transposed: bool = False) -> None:
+        self.transposed = transposed
 
-    def unsupported_reason(self, module: nn.Module) -> str | None:
-        return None
+    def __repr__(self) -> str:
+        return f"LinearHandler(transposed={self.transposed})"
 
-    def a_gram(self, module: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> Gram:
+    def dims(self, module: nn.Module, bias: bool) -> tuple[int, int]:
+        w, _ = self.parameters(module)
+        d_in, d_out = (w.shape[0], w.shape[1]) if self.transposed else (w.shape[1], w.shape[0])
+        return d_in + int(bias), d_out
+
+    def a_gram(self, module: nn.Module, x: torch.Tensor, dtype: torch.dtype, bias: bool) -> Gram:
         n, t = _examples_positions(x)
         rows = x.reshape(-1, x.shape[-1]).to(dtype)
-        return Gram(gram_with_ones(rows, module.bias is not None), n, t)
+        return Gram(gram_with_ones(rows, bias), n, t)
 
     def g_gram(self, module: nn.Module, g: torch.Tensor, dtype: torch.dtype) -> Gram:
         n, t = _examples_positions(g)
         rows = g.reshape(-1, g.shape[-1]).to(dtype)
         return Gram(rows.t() @ rows, n, t)
 
-    def grad(self, module: nn.Module) -> torch.Tensor | None:
-        return weight_bias_grad(module)
+    def grad(self, module: nn.Module, bias: bool) -> torch.Tensor | None:
+        if not self.transposed:
+            return super().grad(module, bias)
+        w, b = self.parameters(module)
+        if w.grad is None:
+            return None
+        g = w.grad.t()
+        if bias:
+            assert b is not None
+            bg = b.grad if b.grad is not None else torch.zeros_like(b)
+            g = torch.cat([g, bg.reshape(-1, 1).to(g.dtype)], dim=1)
+        return g
 
-    def set_grad(self, module: nn.Module, grad: torch.Tensor) -> None:
-        set_weight_bias_grad(module, grad)
+    def set_grad(self, module: nn.Module, grad: torch.Tensor, bias: bool) -> None:
+        if not self.transposed:
+            super().set_grad(module, grad, bias)
+            return
+        w, b = self.parameters(module)
+        n_w = grad.shape[1] - int(bias)
+        assert w.grad is not None
+        w.grad.copy_(grad[:, :n_w].t())
+        if bias:
+            assert b is not None
+            if b.grad is None:
+                b.grad = torch.empty_like(b)
+            b.grad.copy_(grad[:, n_w])
 
 
 def _examples_positions(x: torch.Tensor) -> tuple[int, int]:

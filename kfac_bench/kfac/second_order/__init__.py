@@ -2,5 +2,15 @@
 
 from . import eigen, inverse
 from ._robust import Result
+from .method import EigenMethod, InverseMethod, Parts, SecondOrderMethod, second_order_method
 
-__all__ = ["Result", "eigen", "inverse"]
+__all__ = [
+    "EigenMethod",
+    "InverseMethod",
+    "Parts",
+    "Result",
+    "SecondOrderMethod",
+    "eigen",
+    "inverse",
+    "second_order_method",
+]

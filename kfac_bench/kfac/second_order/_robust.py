@@ -9,18 +9,26 @@ import torch
 Result = dict[str, torch.Tensor]
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype linear algebra runs in for results stored in ``dtype``: at least float32 (16-bit types
+    have no eigensolvers and overflow easily)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def run_all(
     fn: Callable[[torch.Tensor], Result],
     factors: Sequence[torch.Tensor],
     dtype: torch.dtype,
     batch_equal_sizes: bool,
 ) -> list[Result | None]:
-    """``fn`` applied to every factor (cast to ``dtype``); None where even a float64 retry fails.
+    """``fn`` applied to every factor, computed in :func:`compute_dtype` of ``dtype`` and returned in
+    ``dtype``; None where even a float64 retry fails.
 
     Equal-sized factors are stacked into one call when ``batch_equal_sizes`` (worth it on CUDA, where
     batched small eigensolvers exist; on CPU the batch is a loop plus a copy). Non-finite results are
     detected with a single host synchronisation for all factors, then retried one by one in float64.
     """
+    store, dtype = dtype, compute_dtype(dtype)
     results: list[Result | None] = [None] * len(factors)
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, f in enumerate(factors):
@@ -53,4 +61,6 @@ def run_all(
             continue
         if all(torch.isfinite(v).all() for v in retry.values()):
             results[i] = {k: v.to(dtype) for k, v in retry.items()}
+    if store != dtype:
+        return [None if r is None else {k: v.to(store) for k, v in r.items()} for r in results]
     return results

@@ -1,4 +1,4 @@
-"""The eigen-decomposition ("inverse-free") method, PAPER.md eq. 11-13 (Grosse & Martens).
+"""The eigen-decomposition ("inverse-free") method: TPDS eq. 11-13, SC20 eq. 13-15 (Grosse & Martens).
 
 With A = Q_A diag(λ_A) Q_Aᵀ and G = Q_G diag(λ_G) Q_Gᵀ, and the layer gradient ∇W of shape (g_dim, a_dim):
 
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._robust import Result, run_all
+from ._robust import Result, compute_dtype, run_all
 
 
 def _eigh(factor: torch.Tensor) -> Result:
@@ -33,8 +33,12 @@ def decompose(
 
 
 def inverse_outer(a: Result, g: Result, damping: float) -> torch.Tensor:
-    """``1 / (λ_G λ_Aᵀ + γ)``, shape (g_dim, a_dim): KAISA's precomputed eigenvalue outer product."""
-    return 1.0 / (torch.outer(g["eigenvalues"], a["eigenvalues"]) + damping)
+    """``1 / (λ_G λ_Aᵀ + γ)``, shape (g_dim, a_dim): KAISA's precomputed eigenvalue outer product.
+
+    Computed and kept in at least float32: in float16 a small damping would overflow ``1/γ``.
+    """
+    dt = compute_dtype(a["eigenvalues"].dtype)
+    return 1.0 / (torch.outer(g["eigenvalues"].to(dt), a["eigenvalues"].to(dt)) + damping)
 
 
 def precondition(
@@ -44,7 +48,8 @@ def precondition(
     damping: float,
     outer: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``Q_G [(Q_Gᵀ ∇W Q_A) ⊙ outer] Q_Aᵀ`` in the decomposition's dtype, returned in ``grad``'s dtype.
+    """``Q_G [(Q_Gᵀ ∇W Q_A) ⊙ outer] Q_Aᵀ`` in the decomposition's dtype, or float32 if that is a 16-bit
+    type (which could overflow), returned in ``grad``'s dtype.
 
     Args:
         grad: layer gradient, shape (g_dim, a_dim).
@@ -52,9 +57,10 @@ def precondition(
         damping: γ, used when ``outer`` is not given.
         outer: precomputed ``inverse_outer(a, g, damping)``.
     """
-    qa, qg = a["q"], g["q"]
-    v1 = qg.t() @ grad.to(qa.dtype) @ qa
+    dt = compute_dtype(a["q"].dtype)
+    qa, qg = a["q"].to(dt), g["q"].to(dt)
+    v1 = qg.t() @ grad.to(dt) @ qa
     if outer is None:
-        outer = 1.0 / (torch.outer(g["eigenvalues"], a["eigenvalues"]) + damping)
-    v2 = v1 * outer
+        outer = inverse_outer(a, g, damping)
+    v2 = v1 * outer.to(dt)
     return (qg @ v2 @ qa.t()).to(grad.dtype)

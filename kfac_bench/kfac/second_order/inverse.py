@@ -1,7 +1,7 @@
-"""The explicit-inverse method: ``(G + γI)⁻¹ ∇W (A + γI)⁻¹`` (PAPER.md eq. 9-10).
+"""The explicit-inverse method: ``(G + γI)⁻¹ ∇W (A + γI)⁻¹`` (TPDS eq. 9-10).
 
 Note that (A+γI)⁻¹ ⊗ (G+γI)⁻¹ = (A⊗G + γ(A⊗I + I⊗G) + γ²I)⁻¹: for the same γ it damps more than the eigen
-method, which inverts A⊗G + γI exactly (PAPER.md §1.1 remark).
+method, which inverts A⊗G + γI exactly (mixed-product property of ⊗; see :mod:`.eigen`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._robust import Result, run_all
+from ._robust import Result, compute_dtype, run_all
 
 
 def _damped_inverse(damping: float):  # type: ignore[no-untyped-def]
@@ -38,5 +38,7 @@ def decompose(
 
 
 def precondition(grad: torch.Tensor, a: Result, g: Result) -> torch.Tensor:
-    """``(G + γI)⁻¹ ∇W (A + γI)⁻¹`` in the inverses' dtype, returned in ``grad``'s dtype."""
-    return (g["inverse"] @ grad.to(a["inverse"].dtype) @ a["inverse"]).to(grad.dtype)
+    """``(G + γI)⁻¹ ∇W (A + γI)⁻¹`` in the inverses' dtype (float32 for 16-bit ones), returned in ``grad``'s
+    dtype."""
+    dt = compute_dtype(a["inverse"].dtype)
+    return (g["inverse"].to(dt) @ grad.to(dt) @ a["inverse"].to(dt)).to(grad.dtype)

@@ -1,0 +1,116 @@
+"""What K-FAC covers in a model: the share of parameters preconditioned and what was left out, and why.
+
+Reasons a module is left out (keys of :attr:`Coverage.left_out`):
+
+``skipped_by_rule``      matched ``skip_layers``
+``unsupported_type``     holds a weight matrix or kernel, but no handler is registered for its type
+``grouped_conv``         a grouped or depthwise ``Conv2d`` (its Fisher block is not modelled)
+``used_functionally``    its weight is read by its parent's forward, so its hooks never see it run (the
+                         ``out_proj`` of ``nn.MultiheadAttention``)
+``tied``                 its weight (or bias) is also held by another module (e.g. a decoder tied to the
+                         token embedding): preconditioning it would rewrite a gradient that carries both
+                         modules' contributions
+``unsupported_config``   a handler rejected it or failed on it (e.g. a parametrized or non-float weight)
+``did_not_run``          registered, but had no factors at the last decomposition step (never ran, or not yet)
+``decomposition_failed`` registered, but its first decomposition failed even in float64 (plain gradient
+                         until one succeeds)
+
+The last two are known only once training ran; before that a registered layer counts as preconditioned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+REASONS = (
+    "skipped_by_rule",
+    "unsupported_type",
+    "grouped_conv",
+    "used_functionally",
+    "tied",
+    "unsupported_config",
+    "did_not_run",
+    "decomposition_failed",
+)
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """The coverage report; :meth:`to_dict` is JSON-serialisable, ``str()`` is one line.
+
+    Attributes:
+        layers: layers preconditioned.
+        preconditioned_params: trainable parameters in their K-FAC blocks (weights and trainable biases).
+        trainable_params: all trainable parameters of the model (each shared parameter once).
+        eligible_params: trainable parameters of modules that hold a weight matrix or kernel (≥ 2-D): what a
+            K-FAC layer type could hold (normalisation layers and standalone vectors excluded).
+        left_out: reason -> qualified module names (reasons in the module docstring).
+        unsupported_types: class name -> number of modules of an unsupported type holding such a weight.
+        threshold: ``eligible_share`` below which the preconditioner warns.
+    """
+
+    layers: int
+    preconditioned_params: int
+    trainable_params: int
+    eligible_params: int
+    left_out: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    unsupported_types: dict[str, int] = field(default_factory=dict)
+    threshold: float = 0.5
+
+    @property
+    def share(self) -> float:
+        """Preconditioned / trainable parameters."""
+        return self.preconditioned_params / self.trainable_params if self.trainable_params else 0.0
+
+    @property
+    def eligible_share(self) -> float:
+        """Preconditioned / eligible parameters (1.0 for a model without any eligible parameter)."""
+        return self.preconditioned_params / self.eligible_params if self.eligible_params else 1.0
+
+    @property
+    def below_threshold(self) -> bool:
+        return self.eligible_share < self.threshold
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain ints, floats, strings, lists and dicts only (for ``json.dumps``)."""
+        return {
+            "layers": self.layers,
+            "preconditioned_params": self.preconditioned_params,
+            "trainable_params": self.trainable_params,
+            "eligible_params": self.eligible_params,
+            "share": self.share,
+            "eligible_share": self.eligible_share,
+            "threshold": self.threshold,
+            "below_threshold": self.below_threshold,
+            "left_out": {k: list(v) for k, v in self.left_out.items()},
+            "unsupported_types": dict(self.unsupported_types),
+        }
+
+    def __str__(self) -> str:
+        head = (
+            f"K-FAC preconditions {self.layers} layers: {100 * self.share:.1f}% of "
+            f"{_count(self.trainable_params)} trainable parameters ({100 * self.eligible_share:.1f}% of the "
+            f"{_count(self.eligible_params)} in weight matrices/kernels)"
+        )
+        parts = []
+        for reason in REASONS:
+            names = self.left_out.get(reason, ())
+            if not names:
+                continue
+            listed = ", ".join(names[:3]) + (f", +{len(names) - 3} more" if len(names) > 3 else "")
+            if reason == "unsupported_type":
+                types = ", ".join(f"{t}×{n}" for t, n in self.unsupported_types.items())
+                listed = f"{types}: {listed}"
+            parts.append(f"{reason.replace('_', ' ')} {len(names)} ({listed})")
+        return head + ("; left out: " + "; ".join(parts) if parts else "")
+
+
+def _count(n: int) -> str:
+    if n >= 10**9:
+        return f"{n / 1e9:.2f}B"
+    if n >= 10**6:
+        return f"{n / 1e6:.2f}M"
+    if n >= 10**3:
+        return f"{n / 1e3:.1f}k"
+    return str(n)

@@ -1,0 +1,234 @@
+"""Stages 1 and 2 of ``step()``: the curvature estimate and its decompositions (TPDS Algorithm 1, steps 1-2).
+
+Stage 1 (factors): each layer's batch factors are normalised, averaged across ranks (reduction started from
+the gradient hooks as soon as a layer's factors are final, finished in ``step()``) and folded into the
+running averages. Stage 2 (second order): each rank decomposes the factors it owns with the second-order
+method chosen at construction, then every part is broadcast inside the layer's block of gradient workers.
+
+A layer is *ready* once every part it needs has been computed (host state that all ranks agree on); until
+then it keeps its plain gradient: a layer that has not run yet (LayerDrop, a conditional branch, a weight
+used functionally) is checked again at every decomposition step, and so is a layer whose first
+decomposition failed even in float64.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .comm import Communicator, StepReduction
+from .factors import running_average
+from .log import WarnOnce
+from .options import FactorReduction, FactorScaling
+from .second_order import SecondOrderMethod
+from .state import LayerState
+from .timing import StageTimer
+
+Batch = list[tuple[str, torch.Tensor, int | None]]  # (key "<layer>/a", factor, reduction target)
+_NOT_RUN, _FAILED = 1, 2  # why a rank cannot provide a layer's part (the larger wins across ranks)
+
+
+class Curvature:
+    """Factors and second-order parts of the registered ``layers`` on this rank."""
+
+    def __init__(
+        self,
+        layers: dict[str, LayerState],
+        comm: Communicator,
+        method: SecondOrderMethod,
+        *,
+        scaling: FactorScaling,
+        reduction: FactorReduction,
+        timer: StageTimer,
+        warn: WarnOnce,
+    ) -> None:
+        self.layers = layers
+        self.comm = comm
+        self.method = method
+        self.scaling = scaling
+        self.reduction = reduction
+        self.timer = timer
+        self.warn = warn
+        self._step_reduction: StepReduction | None = None
+
+    # ------------------------------------------------------------------ stage 1: factors
+    def factors_final(self, layer: LayerState) -> None:
+        """A layer's batch factors are final for this step: start reducing them while backward goes on."""
+        if not self.comm.distributed:
+            return
+        if self._step_reduction is None:
+            self._step_reduction = self.comm.start_reduction()
+        for kind, acc, is_g in (("g", layer.g_batch, True), ("a", layer.a_batch, False)):
+            f = acc.pop(self.scaling, is_g)
+            if f is not None:
+                self._step_reduction.add(f"{layer.name}/{kind}", f)
+
+    def comm_bytes(self) -> int:
+        """Bytes of the factor buckets in flight (launched from the hooks, not yet finished)."""
+        r = self._step_reduction
+        return 0 if r is None else sum(f.numel() * f.element_size() for _, f, _ in r.pending)
+
+    def update_factors(self, decay: float) -> None:
+        """Batch factors of this step -> averaged across ranks -> folded into the running averages."""
+        with self.timer("factor"):
+            local = self._batch_factors()
+        with self.timer("factor_comm"):
+            reduction, self._step_reduction = self._step_reduction, None
+            reduced = (reduction or self.comm.start_reduction()).finish(local)
+        with self.timer("factor"):
+            self._update_running_factors(reduced, decay)
+
+    def _batch_factors(self) -> Batch:
+        """Normalised batch factors of this step, keyed ``"<layer>/a"``, with their reduction target."""
+        items: Batch = []
+        reduce = self.reduction is FactorReduction.REDUCE
+        for name, layer in self.layers.items():
+            assert layer.work is not None
+            for kind, acc, owner, is_g in (
+                ("a", layer.a_batch, layer.work.a_owner, False),
+                ("g", layer.g_batch, layer.work.g_owner, True),
+            ):
+                f = acc.pop(self.scaling, is_g)
+                if f is not None:
+                    items.append((f"{name}/{kind}", f, owner if reduce else None))
+        return items
+
+    def _update_running_factors(self, batch: dict[str, torch.Tensor], decay: float) -> None:
+        for name, layer in self.layers.items():
+            for kind in ("a", "g"):
+                f = batch.get(f"{name}/{kind}")
+                if f is None:
+                    continue
+                attr = f"{kind}_factor"
+                setattr(layer, attr, running_average(getattr(layer, attr), f, decay))
+                bad = ~torch.isfinite(f).all()
+                layer.nonfinite = bad if layer.nonfinite is None else layer.nonfinite | bad
+
+    # ------------------------------------------------------------------ stage 2: second order
+    def update_second_order(self, damping: float) -> None:
+        """Decompose the factors this rank owns, agree on which layers are ready, and send each part to the
+        layer's other gradient workers."""
+        with self.timer("decomposition"):
+            missing = self.decompose(damping)
+        with self.timer("decomposition_comm"):
+            self._agree_ready(missing)
+            self.broadcast()
+
+    def decompose(self, damping: float) -> dict[str, int]:
+        """Decompose (or invert) the factors this rank owns; keep the last good result on failure.
+
+        Returns, for layers this rank cannot provide a part of, why: 1 = no factor yet (the layer has not
+        run), 2 = its decomposition failed even in float64 and there is no earlier one.
+        """
+        self._warn_nonfinite_factors()
+        missing: dict[str, int] = {}
+        jobs: list[tuple[LayerState, str, torch.Tensor]] = []
+        for layer in self.layers.values():
+            for kind in ("a", "g"):
+                if not self.owns(layer, kind):
+                    continue
+                factor = getattr(layer, f"{kind}_factor")
+                if factor is None:
+                    missing[layer.name] = max(missing.get(layer.name, 0), _NOT_RUN)
+                else:
+                    jobs.append((layer, kind, factor))
+        batch = self.comm.world_size == 1 and any(f.is_cuda for _, _, f in jobs)
+        results = self.method.decompose([f for _, _, f in jobs], damping, batch)
+        for (layer, kind, _), res in zip(jobs, results):
+            if res is not None:
+                layer.parts[kind] = res
+                continue
+            kept = kind in layer.parts
+            if not kept:
+                missing[layer.name] = _FAILED
+            self.warn(
+                f"decomp:{layer.name}/{kind}",
+                "K-FAC: decomposition of factor %s of layer '%s' failed even in float64; %s",
+                kind.upper(),
+                layer.name,
+                "keeping the last good one"
+                if kept
+                else "no earlier one to fall back on: its gradient stays plain until one succeeds",
+            )
+        if self.method.derived:
+            for layer in self.layers.values():
+                a, g = layer.parts.get("a"), layer.parts.get("g")
+                if a is not None and g is not None and self.owns(layer, "g"):
+                    layer.parts.update(self.method.derive(a, g, damping))
+        return missing
+
+    def _agree_ready(self, missing: dict[str, int]) -> None:
+        """Every rank learns which layers have all their parts: one small all-reduce, and only while some
+        layer is not ready yet (a ready layer stays ready: its owners keep the last good parts)."""
+        pending = [layer for layer in self.layers.values() if not layer.ready]
+        if not pending:
+            return
+        flags = torch.tensor([float(missing.get(layer.name, 0)) for layer in pending])
+        self.comm.all_reduce_max(flags, "decomposition_status")
+        for layer, flag in zip(pending, flags.tolist()):
+            layer.ready = flag == 0
+            layer.not_ready_reason = (
+                None
+                if layer.ready
+                else ("did_not_run" if flag == _NOT_RUN else "decomposition_failed")
+            )
+            if missing.get(layer.name) == _NOT_RUN:  # logged by the rank that lacks the factor
+                self.warn(
+                    f"not_run:{layer.name}",
+                    "K-FAC: layer '%s' has not run through its module (used functionally? a skipped "
+                    "branch?); it keeps its plain gradient until it does, checked at every decomposition. "
+                    "Silence this with skip_layers=[%r].",
+                    layer.name,
+                    "^" + re.escape(layer.name) + "$",
+                )
+
+    def owns(self, layer: LayerState, part: str) -> bool:
+        """Whether this rank computes ``part`` of the layer (derived parts: the G owner)."""
+        work = layer.work
+        assert work is not None
+        return (work.a_owner if part == "a" else work.g_owner) == self.comm.rank
+
+    def broadcast(self) -> None:
+        """Send each part from the rank that computed it to the other gradient workers of its block."""
+        if not self.comm.distributed:
+            return
+        works = []
+        for layer in self.layers.values():
+            work = layer.work
+            assert work is not None
+            if (
+                not layer.ready
+                or self.comm.rank not in work.grad_workers
+                or len(work.grad_workers) == 1
+            ):
+                continue
+            for part in ("a", "g", *self.method.derived):
+                res = layer.parts.get(part)
+                if res is None:
+                    res = self.method.empty(part, work.a_dim, work.g_dim, layer.device)
+                elif not all(v.is_contiguous() for v in res.values()):
+                    # LAPACK returns column-major eigenvectors and collectives send storage order: an owner
+                    # sends (and every receiver holds) row-major copies. Only distributed runs pay for it.
+                    res = {k: v.contiguous() for k, v in res.items()}
+                layer.parts[part] = res
+                src = work.a_owner if part == "a" else work.g_owner
+                tensors = [res[k] for k in sorted(res)]  # one order on every rank
+                works += self.comm.broadcast_in_block(tensors, src, work.grad_workers)
+        for w in works:
+            w.wait()
+
+    def _warn_nonfinite_factors(self) -> None:
+        """One host sync for all layers: name the ones that had a non-finite batch factor skipped."""
+        flagged = [(n, s) for n, s in self.layers.items() if s.nonfinite is not None]
+        if not flagged:
+            return
+        values = torch.stack([s.nonfinite for _, s in flagged]).tolist()  # type: ignore[misc]
+        for (name, layer), bad in zip(flagged, values):
+            layer.nonfinite = None
+            if bad:
+                self.warn(
+                    f"nonfinite:{name}",
+                    "K-FAC: a non-finite batch factor of layer '%s' was skipped (running factors kept)",
+                    name,
+                )

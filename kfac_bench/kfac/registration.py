@@ -1,0 +1,201 @@
+"""Which layers of a model K-FAC preconditions, decided from the module tree alone.
+
+:func:`scan_model` walks the model once, without hooks and without allocating (it reads parameter shapes, so
+it works on a model built on the meta device): every module of a registered layer type becomes a
+:class:`LayerSpec` unless a rule leaves it out, and the reasons are collected for :class:`Coverage`.
+The preconditioner registers exactly the layers this scan returns; a planner can use it to predict a run.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .coverage import Coverage
+from .layers import LayerHandler, handler_for
+from .log import logger
+
+#: Module types whose forward reads their child layers' weights directly (functionally), so the children's
+#: hooks never fire: ``F.multi_head_attention_forward`` uses ``out_proj.weight``.
+FUNCTIONAL_PARENTS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """A layer the engine preconditions: factors A (``a_dim²``) and G (``g_dim²``).
+
+    Attributes:
+        name: qualified module name.
+        type: module class name.
+        a_dim: input-factor size (input features or patch length, +1 with a trainable bias).
+        g_dim: output-factor size (output features or channels).
+        bias: whether the block includes the bias (the layer has one and it is trainable).
+        params: trainable parameters the block covers.
+    """
+
+    name: str
+    type: str
+    a_dim: int
+    g_dim: int
+    bias: bool
+    params: int
+    module: nn.Module = field(repr=False, compare=False)
+    handler: LayerHandler = field(repr=False, compare=False)
+
+
+@dataclass
+class ModelScan:
+    """The result of :func:`scan_model`."""
+
+    layers: list[LayerSpec]
+    left_out: dict[str, list[str]]
+    details: dict[str, str]  # module name -> why, as a phrase for logs
+    unsupported_types: Counter[str]
+    trainable_params: int
+    eligible_params: int
+    #: Tied weights: each left-out layer -> the other modules holding its weight or bias.
+    tied: dict[str, list[str]]
+
+    def coverage(self, threshold: float = 0.5, not_ready: dict[str, str] | None = None) -> Coverage:
+        """The coverage report; ``not_ready`` (layer -> runtime reason) moves layers to ``left_out``."""
+        not_ready = not_ready or {}
+        left = {k: list(v) for k, v in self.left_out.items()}
+        for name, reason in not_ready.items():
+            left.setdefault(reason, []).append(name)
+        kept = [s for s in self.layers if s.name not in not_ready]
+        return Coverage(
+            layers=len(kept),
+            preconditioned_params=sum(s.params for s in kept),
+            trainable_params=self.trainable_params,
+            eligible_params=self.eligible_params,
+            left_out={k: tuple(v) for k, v in left.items() if v},
+            unsupported_types=dict(self.unsupported_types),
+            threshold=threshold,
+        )
+
+
+def scan_model(model: nn.Module, skip_layers: Sequence[str | re.Pattern[str]] = ()) -> ModelScan:
+    """The layers K-FAC would precondition in ``model`` and what it would leave out (no hooks attached).
+
+    Args:
+        model: the model (a ``DistributedDataParallel`` wrapper is unwrapped); may live on the meta device.
+        skip_layers: regexes; a layer is skipped if one matches (``re.search``) its qualified name or its
+            class name.
+    """
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
+    rules = [re.compile(p) for p in skip_layers]
+    modules = list(model.named_modules())
+    holders: dict[int, list[str]] = {}  # parameter id -> modules holding it directly
+    functional: set[str] = set()
+    trainable = {id(p): p.numel() for _, m in modules for p in _own(m) if p.requires_grad}
+    eligible: dict[int, int] = {}
+    for name, module in modules:
+        own = _own(module)
+        for p in own:
+            holders.setdefault(id(p), []).append(name)
+        if any(p.requires_grad and p.dim() >= 2 for p in own):
+            eligible.update((id(p), p.numel()) for p in own if p.requires_grad)
+        if isinstance(module, FUNCTIONAL_PARENTS):
+            functional.update(
+                f"{name}.{child}" if name else child for child, _ in module.named_modules()
+            )
+    scan = ModelScan([], {}, {}, Counter(), sum(trainable.values()), sum(eligible.values()), {})
+    for name, module in modules:
+        _classify(scan, name, module, rules, functional, holders)
+    return scan
+
+
+def _classify(
+    scan: ModelScan,
+    name: str,
+    module: nn.Module,
+    rules: list[re.Pattern[str]],
+    functional: set[str],
+    holders: dict[int, list[str]],
+) -> None:
+    """Add ``module`` to the scan: as a layer, as left out with a reason, or not at all."""
+    handler = handler_for(module)
+    if handler is None:
+        if any(p.requires_grad and p.dim() >= 2 for p in _own(module)):
+            scan.unsupported_types[type(module).__name__] += 1
+            scan.left_out.setdefault("unsupported_type", []).append(name)
+        return
+    if any(r.search(name) or r.search(type(module).__name__) for r in rules):
+        scan.left_out.setdefault("skipped_by_rule", []).append(name)
+        return
+    try:
+        weight, bias = handler.parameters(module)
+        if not weight.requires_grad:
+            return  # frozen: nothing to precondition, and not a trainable parameter either
+        reason = handler.unsupported_reason(module) or _weight_reason(weight)
+        if reason is None and name in functional:
+            reason = "used functionally"
+        others = sorted(
+            {n for p in (weight, bias) if p is not None for n in holders.get(id(p), [])} - {name}
+        )
+        if reason is None and others:
+            scan.tied[name] = others
+            reason = f"tied (with {', '.join(others)})"
+        if reason is None:
+            use_bias = bias is not None and bias.requires_grad
+            a_dim, g_dim = handler.dims(module, use_bias)
+            params = weight.numel() + (bias.numel() if use_bias and bias is not None else 0)
+            spec = LayerSpec(
+                name, type(module).__name__, a_dim, g_dim, use_bias, params, module, handler
+            )
+            scan.layers.append(spec)
+            return
+    except Exception as err:  # a handler that cannot read the module must never break the model
+        reason = f"unsupported config ({type(err).__name__}: {err})"
+    key = reason.split(" (")[0].replace(" ", "_")
+    scan.left_out.setdefault(key, []).append(name)
+    scan.details[name] = reason
+
+
+def _own(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters held by ``module`` itself, without lazy ones that have no shape yet."""
+    return [
+        p
+        for p in module._parameters.values()
+        if p is not None and not isinstance(p, nn.parameter.UninitializedParameter)
+    ]
+
+
+def _weight_reason(weight: torch.Tensor) -> str | None:
+    if isinstance(weight, nn.parameter.UninitializedParameter):
+        return "unsupported config (lazy weight not initialised: run one forward before building K-FAC)"
+    if not isinstance(weight, nn.Parameter):
+        return "unsupported config (weight is not a Parameter: parametrized?)"
+    if not weight.is_floating_point():
+        return f"unsupported config (weight dtype {weight.dtype})"
+    return None
+
+
+def log_scan(scan: ModelScan, coverage: Coverage) -> None:
+    """One line per set of tied weights, one coverage line, one warning below the coverage threshold."""
+    reported: set[frozenset[str]] = set()
+    for name, others in scan.tied.items():
+        holders = frozenset([name, *others])
+        if holders in reported:
+            continue
+        reported.add(holders)
+        logger.warning(
+            "K-FAC: tied weights: %s hold the same parameter; left out (plain gradient): %s",
+            ", ".join(repr(n) for n in sorted(holders)),
+            ", ".join(repr(n) for n in sorted(holders) if n in scan.tied),
+        )
+    logger.info("%s", coverage)
+    if coverage.below_threshold:
+        logger.warning(
+            "K-FAC covers only %.1f%% of the parameters in weight matrices/kernels (threshold %.0f%%): "
+            "register the model's layer types with kfac_bench.kfac.register_layer_type or revise "
+            "skip_layers",
+            100 * coverage.eligible_share,
+            100 * coverage.threshold,
+        )

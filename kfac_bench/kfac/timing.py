@@ -1,0 +1,47 @@
+"""Wall time per stage of ``step()``, named after the paper's stages (TPDS §6.4.1, Fig. 7)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+
+STAGES = (
+    "factor",
+    "factor_comm",
+    "decomposition",
+    "decomposition_comm",
+    "precondition",
+    "grad_broadcast",
+    "kl_clip",
+)
+
+
+class StageTimer:
+    """Cumulative seconds per stage; a no-op unless ``enabled``."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.seconds = dict.fromkeys(STAGES, 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str, sync: bool = True) -> Iterator[None]:
+        """Add the block's wall time to stage ``name``. ``sync=False`` (inside hooks, where synchronising
+        CUDA per layer would stall the pipeline) measures host time only, exact on CPU."""
+        if not self.enabled:
+            yield
+            return
+        if sync:
+            _sync()
+        t0 = time.perf_counter()
+        yield
+        if sync:
+            _sync()
+        self.seconds[name] += time.perf_counter() - t0
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
