@@ -26,9 +26,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
-
 from tokenizers import BertWordPieceTokenizer
+from torch.utils.data import Dataset
 
 from kfac_bench.data.bert_corpus import load_tokenizer
 from kfac_bench.errors import ConfigError, DatasetError
@@ -48,7 +47,9 @@ __all__ = [
 ]
 
 SQUAD_VERSION = "1.1"
-_HOW_TO_GET = "Use the official train-v1.1.json / dev-v1.1.json (https://rajpurkar.github.io/SQuAD-explorer/)"
+_HOW_TO_GET = (
+    "Use the official train-v1.1.json / dev-v1.1.json (https://rajpurkar.github.io/SQuAD-explorer/)"
+)
 _SQUAD2_KEYS = ("is_impossible", "plausible_answers")
 
 
@@ -89,7 +90,9 @@ def read_squad(path: str | os.PathLike[str]) -> list[SquadExample]:
     """
     file = Path(path)
     if not file.is_file():
-        raise DatasetError(file, "a SQuAD v1.1 JSON file (train-v1.1.json or dev-v1.1.json)", _HOW_TO_GET)
+        raise DatasetError(
+            file, "a SQuAD v1.1 JSON file (train-v1.1.json or dev-v1.1.json)", _HOW_TO_GET
+        )
     try:
         with open(file, encoding="utf-8") as f:
             raw = json.load(f)
@@ -98,7 +101,9 @@ def read_squad(path: str | os.PathLike[str]) -> list[SquadExample]:
     if not isinstance(raw, dict) or "data" not in raw:
         raise _bad(file, "no top-level 'version' and 'data'")
     if raw.get("version") != SQUAD_VERSION:
-        raise _bad(file, f"version is {raw.get('version')!r}, not '1.1' (SQuAD 2.0 is not supported)")
+        raise _bad(
+            file, f"version is {raw.get('version')!r}, not '1.1' (SQuAD 2.0 is not supported)"
+        )
     articles = _field(raw, "data", list, file, "the file")
     examples: list[SquadExample] = []
     for a, article in enumerate(articles):
@@ -226,7 +231,8 @@ class SquadFeatures(Dataset[dict[str, torch.Tensor]]):
         if max_seq_length - max_query_length - 3 < 1:
             raise ConfigError(
                 f"max_seq_length {max_seq_length} leaves no room for context after a question of "
-                f"max_query_length {max_query_length} and 3 special tokens: raise it or lower max_query_length"
+                f"max_query_length {max_query_length} and 3 special tokens: raise it or lower "
+                "max_query_length"
             )
         if doc_stride < 1:
             raise ConfigError(f"doc_stride must be at least 1 token, got {doc_stride}")
@@ -243,7 +249,9 @@ class SquadFeatures(Dataset[dict[str, torch.Tensor]]):
         self._offsets = [np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2) for enc in encoded]
         questions = [
             enc.ids
-            for enc in tokenizer.encode_batch([e.question for e in examples], add_special_tokens=False)
+            for enc in tokenizer.encode_batch(
+                [e.question for e in examples], add_special_tokens=False
+            )
         ]
         self.examples: list[SquadExample] = []
         self.features: list[SquadFeature] = []
@@ -258,7 +266,9 @@ class SquadFeatures(Dataset[dict[str, torch.Tensor]]):
                 self.skipped_examples += 1
                 continue
             q_ids = q_ids[:max_query_length]
-            windows = doc_windows(len(self._context_ids[c]), max_seq_length - len(q_ids) - 3, doc_stride)
+            windows = doc_windows(
+                len(self._context_ids[c]), max_seq_length - len(q_ids) - 3, doc_stride
+            )
             e = len(self.examples)
             self.examples.append(example)
             self._question_ids.append(np.asarray(q_ids, dtype=np.int64))
@@ -287,7 +297,9 @@ class SquadFeatures(Dataset[dict[str, torch.Tensor]]):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         f = self.features[index]
         q = self._question_ids[f.example_index]
-        doc = self._context_ids[self._paragraph[f.example_index]][f.doc_start : f.doc_start + f.doc_length]
+        doc = self._context_ids[self._paragraph[f.example_index]][
+            f.doc_start : f.doc_start + f.doc_length
+        ]
         ids = np.full(self.max_seq_length, self.pad_id, dtype=np.int64)
         n = len(q) + len(doc) + 3
         ids[:n] = np.concatenate([[self.cls_id], q, [self.sep_id], doc, [self.sep_id]])
@@ -314,7 +326,9 @@ class SquadFeatures(Dataset[dict[str, torch.Tensor]]):
     def context_offsets(self, index: int) -> np.ndarray:
         """(doc_length, 2) character [start, end) of each context token of the window in the context."""
         f = self.features[index]
-        return self._offsets[self._paragraph[f.example_index]][f.doc_start : f.doc_start + f.doc_length]
+        return self._offsets[self._paragraph[f.example_index]][
+            f.doc_start : f.doc_start + f.doc_length
+        ]
 
     def token_is_max_context(self, index: int) -> np.ndarray:
         """(doc_length,) bool: this window is where each of its context tokens has the most context."""
@@ -359,7 +373,11 @@ def load_squad_splits(
     """Training features of ``train_file`` and evaluation features of ``dev_file``, tokenised with
     ``vocab_file`` (defaults: NVIDIA run_squad.py's 384 / 128 / 64 and an uncased vocabulary)."""
     tokenizer = load_squad_tokenizer(vocab_file, lowercase)
-    sizes = {"max_seq_length": max_seq_length, "doc_stride": doc_stride, "max_query_length": max_query_length}
+    sizes = {
+        "max_seq_length": max_seq_length,
+        "doc_stride": doc_stride,
+        "max_query_length": max_query_length,
+    }
     train = SquadFeatures(read_squad(train_file), tokenizer, training=True, **sizes)
     val = SquadFeatures(read_squad(dev_file), tokenizer, training=False, **sizes)
     return SquadSplits(train, val)

@@ -102,7 +102,10 @@ def pydoc_squad_articles(
         ]
         if qas:
             articles.append(
-                {"title": f"pydoc_data.topics {d}", "paragraphs": [{"context": context, "qas": qas}]}
+                {
+                    "title": f"pydoc_data.topics {d}",
+                    "paragraphs": [{"context": context, "qas": qas}],
+                }
             )
     return articles
 

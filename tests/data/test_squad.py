@@ -57,7 +57,9 @@ def test_reads_the_official_shape(tmp_path: Path) -> None:
             ],
         },
     ]
-    path = write_json(tmp_path / "dev-v1.1.json", squad_json([one_article("Go, Denver Broncos", qas)]))
+    path = write_json(
+        tmp_path / "dev-v1.1.json", squad_json([one_article("Go, Denver Broncos", qas)])
+    )
     examples = read_squad(path)
     assert [e.id for e in examples] == ["q1", "q2"]
     assert examples[1].context == "Go, Denver Broncos"
@@ -121,7 +123,13 @@ def test_rejects_squad2_by_version_and_by_fields(tmp_path: Path) -> None:
                     [
                         one_article(
                             "abc",
-                            [{"id": "q", "question": "?", "answers": [{"text": "b", "answer_start": 9}]}],
+                            [
+                                {
+                                    "id": "q",
+                                    "question": "?",
+                                    "answers": [{"text": "b", "answer_start": 9}],
+                                }
+                            ],
                         )
                     ]
                 )
@@ -196,7 +204,9 @@ def _round_trip(features: SquadFeatures, tokenizer) -> None:  # type: ignore[no-
                 offsets[:, 0] < gold.answer_start + len(gold.text)
             )
             tokens_in_window = inside.sum()
-            whole = tokens_in_window == len(tokenizer.encode(gold.text, add_special_tokens=False).ids)
+            whole = tokens_in_window == len(
+                tokenizer.encode(gold.text, add_special_tokens=False).ids
+            )
             assert not whole, f"feature {k} holds the answer but points at [CLS]"
             continue
         labelled.add(f.example_index)
@@ -233,10 +243,15 @@ def test_items_and_collate(smoke: Smoke) -> None:
     first = splits.train.context_position(3)
     assert item["input_ids"].shape == (64,) and n == first + f.doc_length + 1
     cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
-    assert item["input_ids"][0] == cls and item["input_ids"][first - 1] == sep == item["input_ids"][n - 1]
+    assert (
+        item["input_ids"][0] == cls
+        and item["input_ids"][first - 1] == sep == item["input_ids"][n - 1]
+    )
     assert (item["input_ids"][n:] == tokenizer.token_to_id("[PAD]")).all()
     # Segment A = [CLS] question [SEP], segment B = the window and its [SEP], 0 on padding.
-    assert item["token_type_ids"][:first].eq(0).all() and item["token_type_ids"][first:n].eq(1).all()
+    assert (
+        item["token_type_ids"][:first].eq(0).all() and item["token_type_ids"][first:n].eq(1).all()
+    )
     assert item["token_type_ids"][n:].eq(0).all()
 
     batch = next(iter(DataLoader(splits.train, batch_size=5, collate_fn=squad_collate)))
