@@ -140,7 +140,7 @@ class LRScheduleConfig:
 class KFACConfig:
     """``kfac/``: whether and how K-FAC preconditions the gradients.
 
-    The fields from ``factor_update_steps`` to ``track_stage_times`` are the engine's keyword arguments,
+    The fields from ``factor_update_steps`` to ``coverage_threshold`` are the engine's keyword arguments,
     same names and meaning (see ``KFACPreconditioner``). ``grad_worker_fraction`` is a number in (0, 1]
     or one of ``comm_opt`` (1), ``mem_opt`` (1/world size), ``hybrid_opt``.
 
@@ -177,6 +177,7 @@ class KFACConfig:
     symmetry_aware: bool = False
     comm_dtype: str | None = None
     track_stage_times: bool = True
+    coverage_threshold: float = 0.5
     damping_decay_epochs: List[int] = field(default_factory=list)
     damping_decay_factor: float = 0.5
     update_interval_decay_epochs: List[int] = field(default_factory=list)

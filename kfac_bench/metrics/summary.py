@@ -82,7 +82,8 @@ def run_summary(
     config: dict[str, Any],
 ) -> dict[str, Any]:
     """The ``summary.json`` of a run: status, time-to-target (wall and training seconds, epochs, steps),
-    best and final metrics, throughput, K-FAC stage seconds and memory, peak memory, and the config.
+    best and final metrics, throughput, K-FAC stage seconds, memory and coverage (which layers it
+    preconditions, which it leaves out and why), peak memory, and the config.
 
     Args:
         precond: the preconditioner, or None for a first-order run.
@@ -92,6 +93,7 @@ def run_summary(
     stages = stage_times_s
     kfac_share = sum(stages.values()) / train_time_s if stages and train_time_s > 0 else None
     memory = getattr(precond, "memory_usage", None)
+    coverage = getattr(precond, "coverage", None)
     return {
         "name": name,
         "status": status,
@@ -118,6 +120,7 @@ def run_summary(
         "kfac_stage_times_s": stages,
         "kfac_time_fraction": kfac_share,
         "kfac_memory_bytes": memory() if memory is not None else None,
+        "kfac_coverage": coverage().to_dict() if coverage is not None else None,
         "peak_memory_bytes": peak_memory_bytes(device),
         "world_size": world_size,
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),

@@ -35,10 +35,8 @@ HARNESS_ONLY = frozenset(
     }
 )
 #: Engine arguments that are not config fields: supplied by the loop, or left at the engine's default
-#: (``process_group``: the world; ``coverage_threshold``: until the schema has a field for it).
-FROM_LOOP = frozenset(
-    {"model", "lr", "accumulation_steps", "grad_scaler", "process_group", "coverage_threshold"}
-)
+#: (``process_group``: the world).
+FROM_LOOP = frozenset({"model", "lr", "accumulation_steps", "grad_scaler", "process_group"})
 
 
 def epoch_step_decay(

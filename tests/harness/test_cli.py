@@ -80,6 +80,13 @@ def test_console_script_trains_digits(tmp_path: Path, kfac: str) -> None:
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "success" and summary["kfac_enabled"] is (kfac != "none")
     assert (tmp_path / "run" / ".hydra" / "config.yaml").is_file()
+    coverage = summary["kfac_coverage"]
+    if kfac == "none":
+        assert coverage is None
+    else:
+        # The digits CNN: two convolutions and two linear layers hold every trainable parameter.
+        assert coverage["share"] == 1.0 and coverage["layers"] == 4, coverage
+        assert "K-FAC preconditions 4 layers: 100.0%" in result.stdout + result.stderr
 
 
 def _wait_for(path: Path, lines: int, proc: subprocess.Popen[str], timeout: float = 90) -> None:
