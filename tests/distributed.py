@@ -1,7 +1,9 @@
 """Run a function on N forked gloo processes from a test, and fail fast on errors or hangs.
 
 Forking (rather than torchrun) starts ranks in seconds. Every rank sets one intra-op thread: on a 2-core
-machine several 2-thread processes run several times slower than 1-thread ones.
+machine several 2-thread processes run several times slower than 1-thread ones. ``backend="nccl"`` (GPU
+tests) spawns instead of forking, since CUDA cannot be used in a child forked after the parent used it,
+and puts rank r on CUDA device r.
 """
 
 from __future__ import annotations
@@ -26,12 +28,20 @@ def _free_port() -> int:
 
 
 def _entry(
-    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, out: mp.Queue
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    out: mp.Queue,
+    backend: str = "gloo",
 ) -> None:
     try:
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world)
         result = fn(rank, world, *args)
         # Tensors through a multiprocessing queue would be shared by file descriptor, which dies with
         # this process: send them serialised instead.
@@ -44,20 +54,24 @@ def _entry(
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; returns the results by rank.
+    """``fn(rank, world_size, *args)`` on ``world_size`` processes; returns the results by rank.
 
     Raises:
         RuntimeError: with the failing rank's traceback as soon as any rank fails (the others are killed,
             so a rank blocked in a collective with the failed one cannot hang the test), or naming the
             ranks that did not finish within ``timeout`` seconds.
     """
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn" if backend == "nccl" else "fork")
     out: mp.Queue = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, out))
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, out, backend))
         for r in range(world_size)
     ]
     for p in procs:

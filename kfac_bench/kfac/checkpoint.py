@@ -57,12 +57,17 @@ def _gather_factor(
     if not p.comm.distributed or p.factor_reduction is FactorReduction.ALLREDUCE:
         return None if t is None else t.clone()
     # Whether the owner has the factor yet is host state shared by all ranks (same step count).
-    has = torch.tensor([t is not None], dtype=torch.int32)
+    dev = p.comm.device  # NCCL sends CUDA tensors only
+    has = torch.tensor([t is not None], dtype=torch.int32, device=dev)
     p.comm.broadcast_from(has, owner)
     if not has.item():
         return None
-    buf = t.clone() if t is not None else torch.empty(dim, dim, dtype=p.factor_dtype)
-    return p.comm.broadcast_from(buf, owner)
+    buf = (
+        t.to(dev, copy=True)
+        if t is not None
+        else torch.empty(dim, dim, dtype=p.factor_dtype, device=dev)
+    )
+    return p.comm.broadcast_from(buf, owner).cpu()
 
 
 def _gather_parts(p: KFACPreconditioner, layer: LayerState) -> dict[str, Result | None]:
@@ -78,19 +83,19 @@ def _gather_parts(p: KFACPreconditioner, layer: LayerState) -> dict[str, Result 
     work = layer.work
     assert work is not None
     src = work.grad_workers[0]
+    dev = p.comm.device  # NCCL sends CUDA tensors only
     templates = {
-        k: layer.parts.get(k) or p.method.empty(k, work.a_dim, work.g_dim, torch.device("cpu"))
-        for k in names
+        k: layer.parts.get(k) or p.method.empty(k, work.a_dim, work.g_dim, dev) for k in names
     }
     flat = [(k, n, v) for k in names for n, v in sorted(templates[k].items())]
     # Strides of every tensor, padded to two entries (1-D eigenvalues), from the source in one message.
-    strides = torch.tensor([list(v.stride()) + [0] * (2 - v.dim()) for _, _, v in flat])
+    strides = torch.tensor([list(v.stride()) + [0] * (2 - v.dim()) for _, _, v in flat], device=dev)
     p.comm.broadcast_from(strides, src)
     out: dict[str, Result | None] = {k: {} for k in names}
     for (k, n, v), stride in zip(flat, strides.tolist()):
         data = p.comm.broadcast_from(
-            v.detach().cpu().clone(memory_format=torch.contiguous_format), src
-        )
+            v.detach().to(dev).clone(memory_format=torch.contiguous_format), src
+        ).cpu()
         kept = torch.empty_strided(data.shape, stride[: data.dim()], dtype=data.dtype)
         result = out[k]
         assert result is not None

@@ -155,6 +155,14 @@ class Communicator:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def device(self) -> torch.device:
+        """Where the small control tensors of this group's collectives (flags, strides, checkpoint
+        buffers) must live: NCCL communicates CUDA tensors only, gloo works on CPU tensors."""
+        if self.distributed and dist.get_backend(self.group) == dist.Backend.NCCL:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def set_plan(self, plan: dict[str, LayerWork]) -> None:
         """Create (once) this rank's block and receiver groups. Collective over the members of each."""
         if not self.distributed or not plan:

@@ -164,7 +164,9 @@ class Curvature:
         pending = [layer for layer in self.layers.values() if not layer.ready]
         if not pending:
             return
-        flags = torch.tensor([float(missing.get(layer.name, 0)) for layer in pending])
+        flags = torch.tensor(
+            [float(missing.get(layer.name, 0)) for layer in pending], device=self.comm.device
+        )
         self.comm.all_reduce_max(flags, "decomposition_status")
         for layer, flag in zip(pending, flags.tolist()):
             layer.ready = flag == 0

@@ -91,3 +91,66 @@ def test_cuda_shift_kernel_under_autocast_matches_unfold(dtype: torch.dtype) -> 
         got = conv2d_a_factor_shift(x.cuda().float(), *args)
     ref = conv2d_a_factor_unfold(x.double(), *args)
     assert ((got.double().cpu() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def _train_on(
+    model: nn.Module, p: KFACPreconditioner, world: int, rank: int, steps: range, dev: torch.device
+) -> None:
+    """SGD + K-FAC on this rank's slice of each global batch, gradients averaged as DDP would."""
+    import torch.distributed as dist
+
+    from .test_distributed import LOCAL_BATCH, global_batch
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for s in steps:
+        x, y = global_batch(s, world)
+        sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+        opt.zero_grad()
+        F.cross_entropy(model(x[sl].to(dev)), y[sl].to(dev)).backward()
+        for q in model.parameters():
+            dist.all_reduce(q.grad)
+            q.grad /= world
+        p.step()
+        opt.step()
+
+
+def _nccl_worker(rank: int, world: int, fraction: str, reduction: str) -> torch.Tensor:
+    """Train on CUDA under NCCL, checkpoint (a collective gather of every factor and decomposition),
+    resume in a fresh preconditioner; the largest difference to the uninterrupted run."""
+    from .test_distributed import kfac_kwargs, make_model
+
+    dev = torch.device("cuda", rank)
+    kwargs = kfac_kwargs(
+        inv_update_steps=3, grad_worker_fraction=fraction, factor_reduction=reduction
+    )
+    model = make_model().to(dev)
+    p = KFACPreconditioner(model, **kwargs)
+    _train_on(model, p, world, rank, range(3), dev)
+    state = p.state_dict(include_decompositions=True)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    p.remove()
+    resumed = make_model().to(dev)
+    resumed.load_state_dict(weights)
+    p2 = KFACPreconditioner(resumed, **kwargs)
+    p2.load_state_dict(state)
+    _train_on(resumed, p2, world, rank, range(3, 6), dev)
+    full = make_model().to(dev)
+    _train_on(full, KFACPreconditioner(full, **kwargs), world, rank, range(6), dev)
+    return torch.stack(
+        [(a - b).abs().max() for a, b in zip(resumed.parameters(), full.parameters())]
+    ).cpu()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize(
+    ("fraction", "reduction"), [("mem_opt", "reduce"), ("comm_opt", "allreduce")]
+)
+def test_nccl_ranks_agree_on_readiness_and_checkpoint_round_trips(
+    fraction: str, reduction: str
+) -> None:
+    """NCCL communicates CUDA tensors only: the engine's control tensors (readiness flags, checkpoint
+    gathers) must live on the device, and a resumed run must continue exactly."""
+    from ..distributed import run_distributed
+
+    for diff in run_distributed(_nccl_worker, 2, fraction, reduction, backend="nccl"):
+        assert diff.max().item() == 0.0
