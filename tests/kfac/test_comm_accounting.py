@@ -87,7 +87,9 @@ def test_payload_bytes_are_the_sizes_of_what_each_collective_carries(
     results = run_distributed(bytes_worker, world, fraction, options)
     dims = results[0]["dims"]
     factor_size = 4 if "comm_dtype" in options else 8  # the model and its factors are float64
-    per_factor = (lambda d: d * (d + 1) // 2) if options.get("symmetry_aware") else (lambda d: d * d)
+    per_factor = (
+        (lambda d: d * (d + 1) // 2) if options.get("symmetry_aware") else (lambda d: d * d)
+    )
     factors = factor_size * sum(per_factor(a) + per_factor(g) for a, g in dims)
     kind = "factor_reduce" if options.get("factor_reduction") == "reduce" else "factor_allreduce"
     # Eigen parts in float64: Q_A, λ_A, Q_G, λ_G and the outer product 1/(λ_G λ_Aᵀ + γ).
