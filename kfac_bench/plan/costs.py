@@ -28,10 +28,12 @@ from .recipe import EngineSettings
 
 __all__ = [
     "MEMORY",
+    "WHEN",
     "RankLoads",
     "Scenario",
     "equal_group_workers",
     "rank_loads",
+    "row_dict",
     "strategy_name",
 ]
 
