@@ -7,7 +7,9 @@ Three kinds of traffic (TPDS §4.3; KAISA §3.1):
     * preconditioned gradients broadcast inside receiver groups every step when ``m < world``.
 
 Every rank issues the same collectives in the same order (the order of the preconditioner's layer list),
-which is what makes asynchronous launch safe. ``counts`` tallies collectives by kind for tests and metrics.
+which is what makes asynchronous launch safe. ``counts`` tallies collectives by kind for tests and metrics,
+``payload_bytes`` the bytes they carry. The factor bucket plan is a pure function of the placement
+(:func:`factor_entries`, :func:`plan_buckets`), so a planner computes it without a process group.
 
 All of it runs over one process group (default: the world): ranks, blocks and owners are ranks *of that
 group*, translated to global ranks where torch.distributed expects them (``src``/``dst``). The block and
@@ -19,7 +21,7 @@ it; a group of one rank communicates nothing.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +46,10 @@ def world_info(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     return dist.get_world_size(group), rank
 
 
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def pack_triu(t: torch.Tensor) -> torch.Tensor:
     """The upper triangle (diagonal included) of a symmetric matrix, flattened: n(n+1)/2 values."""
     i, j = torch.triu_indices(t.shape[0], t.shape[1], device=t.device)
@@ -60,10 +66,46 @@ def unpack_triu(v: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @dataclass
-class _Bucket:
+class Bucket:
+    """Factors sent together in one collective: their keys, the reduce target, elements on the wire."""
+
     keys: list[str] = field(default_factory=list)
     dst: int | None = None  # None: all-reduce
     numel: int = 0
+
+
+def factor_entries(
+    plan: Mapping[str, LayerWork], reduce: bool
+) -> list[tuple[str, int, int | None]]:
+    """``(key, dim, dst)`` of every factor in backward order (the last layer's factors are ready first; G
+    before A), ``dst`` the decomposing rank with ``reduce``, else None (all-reduce)."""
+    return [
+        (f"{name}/{kind}", dim, owner if reduce else None)
+        for name, w in reversed(list(plan.items()))
+        for kind, dim, owner in (("g", w.g_dim, w.g_owner), ("a", w.a_dim, w.a_owner))
+    ]
+
+
+def plan_buckets(
+    entries: Sequence[tuple[str, int, int | None]],
+    element_size: int,
+    bucket_cap_mb: float,
+    symmetry_aware: bool,
+) -> list[Bucket]:
+    """The factor buckets: consecutive ``(key, dim, dst)`` entries with the same ``dst`` grouped while they
+    fit ``bucket_cap_mb`` at ``element_size`` bytes per element (a factor larger than the cap gets its own
+    bucket). ``numel`` counts ``d²`` per factor, ``d(d+1)/2`` with ``symmetry_aware``."""
+    cap = bucket_cap_mb * 2**20
+    buckets: list[Bucket] = []
+    for key, dim, dst in entries:
+        numel = dim * (dim + 1) // 2 if symmetry_aware else dim * dim
+        b = buckets[-1] if buckets else None
+        if b is None or b.dst != dst or (b.keys and (b.numel + numel) * element_size > cap):
+            b = Bucket(dst=dst)
+            buckets.append(b)
+        b.keys.append(key)
+        b.numel += numel
+    return buckets
 
 
 class StepReduction:
@@ -76,12 +118,12 @@ class StepReduction:
     waits, and returns ``key -> averaged factor`` for all-reduced keys and keys reduced to this rank.
     """
 
-    def __init__(self, comm: Communicator, plan: list[_Bucket]) -> None:
+    def __init__(self, comm: Communicator, plan: list[Bucket]) -> None:
         self.comm = comm
         self.plan = plan
         self.tensors: dict[str, torch.Tensor] = {}
         self.next = 0
-        self.pending: list[tuple[_Bucket, torch.Tensor, dist.Work]] = []
+        self.pending: list[tuple[Bucket, torch.Tensor, dist.Work]] = []
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
         """A factor is final for this step: launch every bucket that is now complete, in plan order."""
@@ -102,7 +144,7 @@ class StepReduction:
         for b in self.plan[self.next :]:
             present = [k for k in b.keys if k in self.tensors]
             if present:
-                self._launch(_Bucket(present, b.dst))
+                self._launch(Bucket(present, b.dst))
         self.next = len(self.plan)
         out: dict[str, torch.Tensor] = {}
         for b, flat, work in self.pending:
@@ -121,7 +163,7 @@ class StepReduction:
                 )
         return out
 
-    def _launch(self, b: _Bucket) -> None:
+    def _launch(self, b: Bucket) -> None:
         flat, work = self.comm._launch(b, self.tensors)
         self.pending.append((b, flat, work))
 
@@ -147,6 +189,9 @@ class Communicator:
         self.symmetry_aware = symmetry_aware
         self.comm_dtype = comm_dtype
         self.counts: Counter[str] = Counter()
+        #: Bytes of the tensors the collectives of each kind carried, tallied on every rank that took part
+        #: (a broadcast counts its payload on the sender and on every receiver).
+        self.payload_bytes: Counter[str] = Counter()
         self._block_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self._recv_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self.set_plan(plan)
@@ -193,18 +238,11 @@ class Communicator:
     def plan_buckets(
         self, entries: Sequence[tuple[str, int, int | None]], element_size: int
     ) -> None:
-        """Fix the factor buckets: ``(key, dim, dst)`` in backward order (the order factors become
-        ready), consecutive keys with the same ``dst`` grouped up to ``bucket_cap_mb``."""
-        cap = self.bucket_cap_mb * 2**20
-        self.buckets: list[_Bucket] = []
-        for key, dim, dst in entries:
-            numel = dim * (dim + 1) // 2 if self.symmetry_aware else dim * dim
-            b = self.buckets[-1] if self.buckets else None
-            if b is None or b.dst != dst or (b.keys and (b.numel + numel) * element_size > cap):
-                b = _Bucket(dst=dst)
-                self.buckets.append(b)
-            b.keys.append(key)
-            b.numel += numel
+        """Fix the factor buckets (:func:`plan_buckets`): ``(key, dim, dst)`` in backward order (the order
+        factors become ready, :func:`factor_entries`), ``element_size`` that of the factor dtype."""
+        self.buckets: list[Bucket] = plan_buckets(
+            entries, element_size, self.bucket_cap_mb, self.symmetry_aware
+        )
 
     def start_reduction(self) -> StepReduction:
         """A new step's factor reduction over the planned buckets."""
@@ -217,7 +255,7 @@ class Communicator:
         return self.start_reduction().finish(items)
 
     def _launch(
-        self, b: _Bucket, tensors: dict[str, torch.Tensor]
+        self, b: Bucket, tensors: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, dist.Work]:
         parts = [
             pack_triu(tensors[k]) if self.symmetry_aware else tensors[k].reshape(-1) for k in b.keys
@@ -225,7 +263,9 @@ class Communicator:
         flat = torch.cat(parts)
         if self.comm_dtype is not None:
             flat = flat.to(self.comm_dtype)
-        self.counts["factor_allreduce" if b.dst is None else "factor_reduce"] += 1
+        kind = "factor_allreduce" if b.dst is None else "factor_reduce"
+        self.counts[kind] += 1
+        self.payload_bytes[kind] += _nbytes(flat)
         work: dist.Work | None
         if b.dst is None:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
@@ -243,6 +283,7 @@ class Communicator:
             return []
         group = self._block_groups[block]
         self.counts["decomposition_broadcast"] += 1
+        self.payload_bytes["decomposition_broadcast"] += _nbytes(*tensors)
         return [self._bcast(t, src, group) for t in tensors]
 
     def broadcast_grad(self, grad: torch.Tensor, work: LayerWork) -> list[dist.Work]:
@@ -254,6 +295,7 @@ class Communicator:
         ranks = tuple(range(j, self.world_size, m))
         src = work.grad_workers[j]
         self.counts["grad_broadcast"] += 1
+        self.payload_bytes["grad_broadcast"] += _nbytes(grad)
         return [self._bcast(grad, src, self._recv_groups[ranks])]
 
     def _bcast(self, t: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> dist.Work:
@@ -271,5 +313,6 @@ class Communicator:
         """Synchronous element-wise maximum over the group, in place (small host-side flags)."""
         if self.distributed:
             self.counts[kind] += 1
+            self.payload_bytes[kind] += _nbytes(t)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t

@@ -23,7 +23,7 @@ from torch import nn
 from . import assignment as asg
 from . import checkpoint
 from .capture import Capture
-from .comm import Communicator
+from .comm import Communicator, factor_entries
 from .coverage import Coverage
 from .curvature import Curvature
 from .log import WarnOnce
@@ -42,7 +42,7 @@ from .second_order import second_order_method
 from .state import LayerState, memory_by_category
 from .timing import STAGES, StageTimer
 
-__all__ = ["STAGES", "KFACPreconditioner"]
+__all__ = ["STAGES", "KFACPreconditioner", "resolve_dtypes"]
 
 
 class KFACPreconditioner:
@@ -149,7 +149,7 @@ class KFACPreconditioner:
         self.placement = Placement.parse(placement)
         self.factor_reduction = FactorReduction.parse(factor_reduction)
         self.steps = 0
-        self.factor_dtype, self.inv_dtype = _dtypes(model, factor_dtype, inv_dtype)
+        self.factor_dtype, self.inv_dtype = resolve_dtypes(model, factor_dtype, inv_dtype)
         self.method = second_order_method(
             self.compute_method,
             self.inv_dtype,
@@ -208,12 +208,7 @@ class KFACPreconditioner:
         for name, work in plan.items():
             self.layers[name].work = work
         self.comm.set_plan(plan)
-        reduce = self.factor_reduction is FactorReduction.REDUCE
-        entries = [  # backward order: the last layer's factors are ready first
-            (f"{name}/{kind}", dim, owner if reduce else None)
-            for name, w in reversed(plan.items())
-            for kind, dim, owner in (("g", w.g_dim, w.g_owner), ("a", w.a_dim, w.a_owner))
-        ]
+        entries = factor_entries(plan, self.factor_reduction is FactorReduction.REDUCE)
         self.comm.plan_buckets(entries, torch.empty((), dtype=self.factor_dtype).element_size())
 
     # ------------------------------------------------------------------ step
@@ -396,10 +391,11 @@ class KFACPreconditioner:
         checkpoint.restore_state(self, state)
 
 
-def _dtypes(
+def resolve_dtypes(
     model: nn.Module, factor_dtype: torch.dtype | None, inv_dtype: torch.dtype | None
 ) -> tuple[torch.dtype, torch.dtype]:
-    """Factor and decomposition dtypes: float32 for low-precision or float32 models, float64 for float64."""
+    """The ``(factor_dtype, inv_dtype)`` a preconditioner of ``model`` uses for these arguments: the given
+    ones, else float32 for low-precision or float32 models, float64 for float64 ones."""
     param = next(model.parameters(), None)
     low = param is None or param.dtype in (torch.float16, torch.bfloat16)
     default = torch.float32 if low or param is None else param.dtype

@@ -1,0 +1,106 @@
+"""``plan.*`` command-line keys: a small typed config of the planner, kept out of the training config.
+
+``kfac-bench plan`` takes the command line of ``kfac-bench train`` (``+recipe=NAME``, ``kfac.*=...``) plus
+``plan.*`` keys. The ``plan.*`` keys are split off first and parsed into :class:`PlanConfig` (OmegaConf
+checks names and types against the dataclass); the rest composes the training config exactly as
+``kfac-bench train`` does, so the primary config has no ``plan`` node and ``train --cfg job`` is unchanged.
+"""
+
+# ruff: noqa: UP006, UP035
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import List
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from kfac_bench.errors import ConfigError
+
+__all__ = ["PREFIX", "PlanConfig", "parse_plan_config", "split_overrides"]
+
+PREFIX = "plan."
+
+
+@dataclass
+class PlanConfig:
+    """What to plan and where to write it.
+
+    Attributes:
+        world_sizes: numbers of ranks (GPUs) to plan for.
+        fractions: ``grad_worker_fraction`` values to plan (numbers or ``comm_opt``/``hybrid_opt``/
+            ``mem_opt``); None: every fraction that splits each world size into equal groups (KAISA §3.1).
+        out: folder for ``plan.json`` and ``plan.png``.
+        memory_budget_gb: per-GPU memory K-FAC may use (GiB); recommends the fastest fitting row.
+        profile: time the decomposition and GEMM at the model's factor sizes on this machine's device
+            (CUDA if available) and use those rates for the seconds per stage.
+        profile_seconds: cap on the profiling time.
+        bandwidth_gb_s: assumed per-rank network bandwidth in GB/s for the communication seconds (default:
+            100 Gb/s InfiniBand EDR, the interconnect of the papers' V100 cluster).
+    """
+
+    world_sizes: List[int] = field(default_factory=lambda: [8, 16, 32, 64, 128])
+    fractions: List[str] | None = None
+    out: str = "plan"
+    memory_budget_gb: float | None = None
+    profile: bool = False
+    profile_seconds: float = 20.0
+    bandwidth_gb_s: float = 12.5
+
+    def __post_init__(self) -> None:
+        if not self.world_sizes:
+            raise ConfigError(
+                "plan.world_sizes is empty: give at least one, e.g. plan.world_sizes=[16,64]"
+            )
+        bad = [n for n in self.world_sizes if n < 1]
+        if bad:
+            raise ConfigError(f"plan.world_sizes={bad} must be >= 1")
+        if self.fractions is not None and not self.fractions:
+            raise ConfigError("plan.fractions is empty: leave it out to plan every valid fraction")
+        if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
+            raise ConfigError(
+                f"plan.memory_budget_gb={self.memory_budget_gb} must be > 0 (GiB per GPU), e.g. 2.5"
+            )
+        if not self.profile_seconds > 0:
+            raise ConfigError(f"plan.profile_seconds={self.profile_seconds} must be > 0")
+        if not self.bandwidth_gb_s > 0:
+            raise ConfigError(f"plan.bandwidth_gb_s={self.bandwidth_gb_s} must be > 0")
+        self.world_sizes = sorted(set(self.world_sizes))
+
+
+def split_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(``plan.*`` overrides without the prefix, every other argument)."""
+    plan: list[str] = []
+    rest: list[str] = []
+    for arg in args:
+        (plan if arg.lstrip("+").startswith(PREFIX) else rest).append(arg)
+    return [a.lstrip("+")[len(PREFIX) :] for a in plan], rest
+
+
+def parse_plan_config(overrides: Sequence[str]) -> PlanConfig:
+    """:class:`PlanConfig` from ``key=value`` strings (``plan.`` already removed).
+
+    Raises:
+        ConfigError: one line naming an unknown key or a value of the wrong type.
+    """
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"plan.{item}: give a value, plan.KEY=VALUE")
+    try:
+        base = OmegaConf.structured(PlanConfig)
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+        values = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or getattr(err, "key", None)
+        if isinstance(err, ConfigKeyError):
+            valid = ", ".join(f.name for f in fields(PlanConfig))
+            raise ConfigError(f"unknown key plan.{key}; valid keys: {valid}") from None
+        given = next((o.partition("=")[2] for o in overrides if o.startswith(f"{key}=")), "")
+        first = str(err).splitlines()[0]
+        raise ConfigError(f"invalid plan.{key}={given}: {first}") from None
+    assert isinstance(values, dict)
+    values["fractions"] = (
+        None if values["fractions"] is None else [str(f) for f in values["fractions"]]
+    )
+    return PlanConfig(**values)  # type: ignore[arg-type]

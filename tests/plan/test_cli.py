@@ -1,0 +1,108 @@
+"""``kfac-bench plan`` end to end: the files it writes, its one-line errors, and the training config it
+leaves untouched."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kfac_bench.cli import main
+from kfac_bench.config.compose import compose_run
+from kfac_bench.kfac import FactorReduction, Placement, scan_model
+from kfac_bench.plan.costs import Scenario, equal_group_workers, rank_loads
+from kfac_bench.plan.recipe import build_meta_model, engine_settings
+from tests.harness.util import run_cli
+
+ROW_KEYS = {
+    "world_size",
+    "placement",
+    "grad_worker_fraction",
+    "factor_reduction",
+    "factor_elements_per_rank",
+    "decomposition_cost_per_rank",
+    "memory_bytes_per_rank",
+    "comm_bytes",
+}
+
+
+def test_plan_writes_the_issue_schema_a_plot_and_a_recommendation(tmp_path: Path) -> None:
+    out = tmp_path / "digits_plan"
+    result = run_cli(
+        "plan",
+        "+recipe=digits",
+        "plan.world_sizes=[4,2]",
+        f"plan.out={out}",
+        "plan.memory_budget_gb=0.0003",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    plan = json.loads((out / "plan.json").read_text())
+    assert (out / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plan["recipe"] == "digits" and len(plan["layers"]) == 4
+    assert {"name", "a_dim", "g_dim"} <= set(plan["layers"][0])
+    # Every fraction with equal groups, both placements, both reductions, at each world size.
+    assert len(plan["rows"]) == 4 * (len(equal_group_workers(2)) + len(equal_group_workers(4)))
+    for row in plan["rows"]:
+        assert set(row) >= ROW_KEYS
+        assert set(row["factor_elements_per_rank"]) == {"min", "max"}
+        assert set(row["decomposition_cost_per_rank"]) == {"max", "min", "ideal", "floor"}
+        assert {"factors", "decompositions", "outer_products", "comm_buffers", "total"} <= set(
+            row["memory_bytes_per_rank"]
+        )
+    # The rows are the planner's for the digits model, recomputed here from the composed config.
+    cfg = compose_run(["+recipe=digits"])
+    model = build_meta_model(cfg.model)
+    layers = scan_model(model).layers
+    row = next(
+        r
+        for r in plan["rows"]
+        if (r["world_size"], r["grad_workers"], r["placement"], r["factor_reduction"])
+        == (4, 2, "lpt", "reduce")
+    )
+    loads = rank_loads(
+        layers, engine_settings(model), Scenario(4, 2, Placement.LPT, FactorReduction.REDUCE)
+    )
+    assert row["memory_bytes_per_rank"]["total"]["max"] == max(loads.total_memory())
+    recs = {r["world_size"]: r for r in plan["recommendations"]}
+    assert set(recs) == {2, 4}
+    for rec in recs.values():
+        if rec["row"] is not None:
+            chosen = plan["rows"][rec["row"]]
+            assert chosen["memory_bytes_per_rank"]["total"]["max"] <= 0.0003 * 2**30
+    assert "recommended under 0.0003 GiB per GPU" in result.stdout
+    assert "4 GPUs (ideal" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["+recipe=nope"], "unknown recipe 'nope'; valid names: "),
+        (["+recipe=digits", "plan.world_sizes=[]"], "plan.world_sizes is empty"),
+        (
+            ["+recipe=digits", "plan.world_sizes=[4]", "plan.fractions=[0.75]"],
+            "gives 3 gradient workers per layer, which does not divide the world size 4",
+        ),
+        (["+recipe=digits", "plan.memory_budget_gb=0"], "plan.memory_budget_gb=0.0 must be > 0"),
+        (["+recipe=digits", "plan.memory_budget_gb=-2"], "must be > 0"),
+        (["+recipe=digits", "plan.worldsizes=[8]"], "unknown key plan.worldsizes"),
+        (["+recipe=digits", "plan.world_sizes=[0]"], "must be >= 1"),
+        (["+recipe=digits", "kfac.bogus=1"], "unknown config key 'kfac.bogus'"),
+        (["+recipe=resnet50_imagenet_sgd"], "trains without K-FAC"),
+    ],
+)
+def test_bad_input_gives_one_line_and_status_2(
+    args: list[str], expected: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    status = main(["plan", f"plan.out={tmp_path}", *args])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kfac-bench: error: ") and expected in lines[0]
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_plan_keys_stay_out_of_the_training_config() -> None:
+    assert "plan" not in compose_run([])
+    assert "plan" not in compose_run(["+recipe=resnet50_imagenet"])
