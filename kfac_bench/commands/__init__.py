@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "train": "train",
     "compare": "compare",
     "prepare-bert": "prepare_bert",
+    "squad-eval": "squad_eval",
 }
 
 
