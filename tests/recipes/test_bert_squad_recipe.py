@@ -117,6 +117,7 @@ def _train(root: Path, name: str, recipe: str, *overrides: str) -> Path:
         *CLI_QUIET,
         f"hydra.run.dir={root / name}",
         cwd=root,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return root / name
@@ -206,6 +207,8 @@ def chains(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path
 
 
 @pytest.mark.slow
+# The first one builds both chains: six CLI runs, 3-4 minutes on 2 busy cores.
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("arm", list(ARMS))
 def test_squad_fine_tunes_the_phase2_model(chains: dict[str, dict[str, Path]], arm: str) -> None:
     chain = chains[arm]
@@ -230,6 +233,7 @@ def test_squad_fine_tunes_the_phase2_model(chains: dict[str, dict[str, Path]], a
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # builds both chains when run alone
 def test_compare_reports_each_chains_f1_and_time_to_solution(
     chains: dict[str, dict[str, Path]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
