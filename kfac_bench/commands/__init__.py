@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "compare": "compare",
     "plan": "plan",
     "prepare-bert": "prepare_bert",
+    "squad-eval": "squad_eval",
 }
 
 

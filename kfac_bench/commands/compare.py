@@ -10,7 +10,8 @@ from pathlib import Path
 __all__ = ["SUMMARY", "main"]
 
 SUMMARY = """\
-  compare   compare runs: kfac-bench compare BASELINE_RUN_DIR RUN_DIR ... [--out DIR]"""
+  compare   compare runs: kfac-bench compare BASELINE_RUN_DIR RUN_DIR ... [--out DIR]
+            BERT chains: kfac-bench compare --chain lamb=P1,P2,SQUAD --chain kfac=P1,P2,SQUAD"""
 
 
 def main(args: Sequence[str]) -> int:
@@ -22,7 +23,14 @@ def main(args: Sequence[str]) -> int:
         prog="kfac-bench compare",
         description="Compare runs against the first (the baseline). A multirun folder adds all its runs.",
     )
-    parser.add_argument("runs", nargs="+", help="run directories (or folders holding runs)")
+    parser.add_argument("runs", nargs="*", help="run directories (or folders holding runs)")
+    parser.add_argument(
+        "--chain",
+        action="append",
+        default=[],
+        metavar="NAME=P1,P2,SQUAD",
+        help="a BERT chain: its pretraining runs, then its SQuAD run (repeat; the first is the baseline)",
+    )
     parser.add_argument(
         "--out", default="compare", help="folder for compare.md/.csv/.png (default: compare)"
     )
@@ -33,6 +41,8 @@ def main(args: Sequence[str]) -> int:
         help="table printed",
     )
     ns = parser.parse_args(list(args))
+    if ns.chain or not ns.runs:
+        return _compare_chains(ns)
     runs = find_runs(ns.runs)
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -41,4 +51,21 @@ def main(args: Sequence[str]) -> int:
     plot(runs, out / "compare.png")
     print(render(runs, ns.format), end="")
     print(f"wrote {out / 'compare.md'}, {out / 'compare.csv'}, {out / 'compare.png'}")
+    return 0
+
+
+def _compare_chains(ns: argparse.Namespace) -> int:
+    """Final SQuAD F1 and time to solution per chain (:mod:`kfac_bench.metrics.chain`)."""
+    from kfac_bench.errors import UserError
+    from kfac_bench.metrics.chain import compare_chains, render_chains
+
+    if not ns.chain or ns.runs:
+        given = "both" if ns.runs else "neither"
+        raise UserError(
+            f"compare: give run directories or BERT chains (--chain NAME=P1,P2,SQUAD), not {given}"
+        )
+    out = Path(ns.out)
+    chains = compare_chains(ns.chain, out)
+    print(render_chains(chains, ns.format), end="")
+    print(f"wrote {out / 'chains.md'}, {out / 'chains.csv'}")
     return 0

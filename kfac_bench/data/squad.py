@@ -22,13 +22,14 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 from tokenizers import BertWordPieceTokenizer
 from torch.utils.data import Dataset
 
+from kfac_bench.data.base import DataSplits
 from kfac_bench.data.bert_corpus import load_tokenizer
 from kfac_bench.errors import ConfigError, DatasetError
 
@@ -37,7 +38,6 @@ __all__ = [
     "SquadExample",
     "SquadFeature",
     "SquadFeatures",
-    "SquadSplits",
     "doc_windows",
     "load_squad_splits",
     "load_squad_tokenizer",
@@ -353,25 +353,23 @@ def squad_collate(items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.T
     return {key: torch.stack([item[key] for item in items]) for key in items[0]}
 
 
-class SquadSplits(NamedTuple):
-    """What a dataset builder returns: training and evaluation features and their collate function."""
-
-    train: SquadFeatures
-    val: SquadFeatures
-    collate_fn: Any = squad_collate
-
-
 def load_squad_splits(
-    train_file: str | os.PathLike[str],
-    dev_file: str | os.PathLike[str],
-    vocab_file: str | os.PathLike[str],
+    train_file: str | os.PathLike[str] = "data/squad/train-v1.1.json",
+    dev_file: str | os.PathLike[str] = "data/squad/dev-v1.1.json",
+    vocab_file: str | os.PathLike[str] = "data/bert/vocab.txt",
     max_seq_length: int = 384,
     doc_stride: int = 128,
     max_query_length: int = 64,
     lowercase: bool = True,
-) -> SquadSplits:
-    """Training features of ``train_file`` and evaluation features of ``dev_file``, tokenised with
-    ``vocab_file`` (defaults: NVIDIA run_squad.py's 384 / 128 / 64 and an uncased vocabulary)."""
+) -> DataSplits:
+    """Dataset builder (``dataset=squad``): training features of ``train_file`` and evaluation features of
+    ``dev_file``, tokenised with ``vocab_file`` (the vocabulary the model was pretrained with; defaults:
+    NVIDIA run_squad.py's 384 / 128 / 64 and an uncased vocabulary).
+
+    Returns:
+        :class:`~kfac_bench.data.base.DataSplits` of two :class:`SquadFeatures` (training, evaluation) and
+        :func:`squad_collate`.
+    """
     tokenizer = load_squad_tokenizer(vocab_file, lowercase)
     sizes = {
         "max_seq_length": max_seq_length,
@@ -380,4 +378,4 @@ def load_squad_splits(
     }
     train = SquadFeatures(read_squad(train_file), tokenizer, training=True, **sizes)
     val = SquadFeatures(read_squad(dev_file), tokenizer, training=False, **sizes)
-    return SquadSplits(train, val)
+    return DataSplits(train, val, squad_collate)

@@ -12,6 +12,10 @@ sliding window is exercised. The output depends only on the Python version's doc
 (:func:`kfac_bench.data.bert_smoke.prepare_pydoc_shards`: the same corpus, the same deterministic
 ``frequency`` trainer), so a model pretrained by the smoke recipes reads these questions with the
 vocabulary it was trained with.
+
+:func:`build_squad_pydoc` is the dataset builder of the SQuAD smoke recipe: it writes both files and the
+vocabulary into its own ``root`` on first use (never into the pretraining shards' folder) and reads them
+through :func:`kfac_bench.data.squad.load_squad_splits`, as the real files are read.
 """
 
 from __future__ import annotations
@@ -23,9 +27,24 @@ import re
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from kfac_bench.data.bert_corpus import pydoc_documents, train_tokenizer, write_pydoc_corpus
+import torch
 
-__all__ = ["SmokeSquadFiles", "pydoc_squad_articles", "pydoc_vocab", "write_pydoc_squad"]
+from kfac_bench.data.base import DataSplits
+from kfac_bench.data.bert_corpus import pydoc_documents, train_tokenizer, write_pydoc_corpus
+from kfac_bench.data.squad import load_squad_splits
+from kfac_bench.errors import ConfigError
+
+__all__ = [
+    "MARKER",
+    "SmokeSquadFiles",
+    "build_squad_pydoc",
+    "pydoc_squad_articles",
+    "pydoc_vocab",
+    "write_pydoc_squad",
+]
+
+#: Written last into ``root`` by :func:`build_squad_pydoc`: the arguments its files were made with.
+MARKER = "squad_pydoc.json"
 
 # A word: letters/digits, possibly joined by apostrophes or hyphens ("don't", "built-in").
 _WORD = re.compile(r"\w+(?:['-]\w+)*")
@@ -139,3 +158,58 @@ def pydoc_vocab(output_dir: str | os.PathLike[str], vocab_size: int = 2000) -> P
     corpus = write_pydoc_corpus(out / "pydoc_corpus.txt")
     _, path = train_tokenizer([corpus], vocab_size, out, lowercase=True, trainer="frequency")
     return path
+
+
+def _prepare(root: Path, params: dict[str, Any]) -> None:
+    """(Re)write the smoke files into ``root`` unless the marker says they were made with ``params``."""
+    marker = root / MARKER
+    made = json.loads(marker.read_text()) if marker.is_file() else None
+    if made == params:
+        return
+    foreign = [p.name for p in (root / "train-v1.1.json", root / "vocab.txt") if p.is_file()]
+    if made is None and (foreign or any(root.glob("*.hdf5"))):
+        raise ConfigError(
+            f"{root} holds files build_squad_pydoc did not make ({', '.join(foreign) or 'HDF5 shards'}): "
+            "give the SQuAD smoke data its own empty dataset.root (e.g. data/squad_pydoc)"
+        )
+    marker.unlink(missing_ok=True)
+    write_pydoc_squad(root, seed=params["seed"])
+    pydoc_vocab(root, params["vocab_size"])
+    marker.write_text(json.dumps(params, indent=1))
+
+
+def build_squad_pydoc(
+    root: str = "data/squad_pydoc",
+    vocab_size: int = 2000,
+    max_seq_length: int = 384,
+    doc_stride: int = 128,
+    max_query_length: int = 64,
+    seed: int = 12345,
+) -> DataSplits:
+    """Dataset builder (``dataset=squad_pydoc``) of the SQuAD smoke recipe.
+
+    On first use (or when ``vocab_size`` or ``seed`` changed, as recorded in ``root/squad_pydoc.json``,
+    written last) writes ``train-v1.1.json``, ``dev-v1.1.json`` (:func:`write_pydoc_squad`) and the smoke
+    shards' ``vocab.txt`` (:func:`pydoc_vocab`) into ``root``; files this builder did not make are never
+    replaced. Under torch.distributed rank 0 writes while the other ranks wait at a barrier. The model's
+    ``vocab_size`` must be at least ``vocab_size``.
+
+    Returns:
+        The features of both files, as :func:`kfac_bench.data.squad.load_squad_splits` reads the real ones.
+    """
+    out = Path(root)
+    params: dict[str, Any] = {"vocab_size": vocab_size, "seed": seed}
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not distributed or torch.distributed.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        _prepare(out, params)
+    if distributed:
+        torch.distributed.barrier()
+    return load_squad_splits(
+        out / "train-v1.1.json",
+        out / "dev-v1.1.json",
+        out / "vocab.txt",
+        max_seq_length=max_seq_length,
+        doc_stride=doc_stride,
+        max_query_length=max_query_length,
+    )

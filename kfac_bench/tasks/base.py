@@ -22,6 +22,11 @@ class Task(Protocol):
         target_metric: key of the metric in ``evaluate``'s result that the run's target refers to
             (e.g. ``"top1"``, ``"bbox_map"``, ``"mlm_accuracy"``).
         higher_is_better: direction of ``target_metric``.
+
+    Note:
+        A task may also define ``save_outputs(run_dir: Path) -> None``: the run calls it once on rank 0
+        after training, before ``summary.json``, to write what its last evaluation produced (SQuAD writes
+        ``predictions.json``). It is not part of the protocol, so tasks without outputs need nothing.
     """
 
     target_metric: str

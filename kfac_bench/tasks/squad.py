@@ -17,7 +17,10 @@ A question without any valid pair gets the empty answer (the reference's placeho
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -31,6 +34,7 @@ from kfac_bench.errors import UserError
 from kfac_bench.metrics.squad_eval import squad_v11_scores
 
 __all__ = [
+    "PREDICTIONS_FILE",
     "SpanCandidate",
     "SquadTask",
     "best_span",
@@ -42,6 +46,9 @@ __all__ = [
 
 N_BEST_SIZE = 20  # run_squad.py --n_best_size default
 MAX_ANSWER_LENGTH = 30  # run_squad.py --max_answer_length default
+#: The run directory's file of the last evaluation's answers (question id -> text), the format of the
+#: reference's ``predictions.json`` and of ``kfac-bench squad-eval DATA_FILE PRED_FILE``.
+PREDICTIONS_FILE = "predictions.json"
 
 
 class SpanCandidate(NamedTuple):
@@ -176,7 +183,8 @@ class SquadTask:
 
     ``evaluate`` returns ``exact_match`` and ``f1`` in percent, as the official script prints them, over
     the questions whose features the loader yielded (all of them unless the loop limits evaluation
-    batches); the predictions are kept in :attr:`last_predictions` (question id -> answer text).
+    batches); the predictions are kept in :attr:`last_predictions` (question id -> answer text) and
+    :meth:`save_outputs` writes them to the run directory as ``predictions.json``.
     """
 
     target_metric = "f1"
@@ -230,6 +238,17 @@ class SquadTask:
             e.id: [a.text for a in e.answers] for e in features.examples if e.id in predictions
         }
         return squad_v11_scores(truths, predictions)
+
+    def save_outputs(self, run_dir: str | os.PathLike[str]) -> Path | None:
+        """Write :attr:`last_predictions` to ``run_dir/predictions.json`` (atomically); None if the run
+        never evaluated."""
+        if not self.last_predictions:
+            return None
+        path = Path(run_dir) / PREDICTIONS_FILE
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.last_predictions, indent=1, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+        return path
 
 
 def build_squad_task(

@@ -58,6 +58,9 @@ def _train(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv, device: tor
     state.wall.stop()
 
     if env.is_main:
+        save_outputs = getattr(loop.task, "save_outputs", None)  # optional (tasks/base.py)
+        if save_outputs is not None:
+            save_outputs(run_dir)
         result = summary.run_summary(
             name=cfg.name,
             status=status,

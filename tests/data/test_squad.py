@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from kfac_bench.data.base import DataSplits
 from kfac_bench.data.bert_smoke import prepare_pydoc_shards
 from kfac_bench.data.squad import (
     SquadFeatures,
@@ -21,7 +22,7 @@ from kfac_bench.data.squad import (
     read_squad,
     squad_collate,
 )
-from kfac_bench.data.squad_smoke import write_pydoc_squad
+from kfac_bench.data.squad_smoke import MARKER, build_squad_pydoc, write_pydoc_squad
 from kfac_bench.errors import ConfigError, DatasetError
 from kfac_bench.metrics.squad_eval import normalize_answer
 from tests.data.squad_fixtures import (
@@ -32,6 +33,7 @@ from tests.data.squad_fixtures import (
     write_json,
     write_vocab,
 )
+from tests.distributed import run_distributed
 
 REFERENCE = {"max_seq_length": 384, "doc_stride": 128, "max_query_length": 64}  # run_squad.py
 SMALL = {"max_seq_length": 64, "doc_stride": 16, "max_query_length": 24}  # many windows per context
@@ -237,6 +239,7 @@ def test_every_gold_span_round_trips(smoke: Smoke, sizes: dict[str, int]) -> Non
 def test_items_and_collate(smoke: Smoke) -> None:
     tokenizer = load_squad_tokenizer(smoke.vocab)
     splits = load_squad_splits(smoke.train, smoke.dev, smoke.vocab, **SMALL)
+    assert isinstance(splits, DataSplits) and splits.collate_fn is squad_collate
     item = splits.train[3]
     f = splits.train.features[3]
     n = int(item["attention_mask"].sum())
@@ -327,3 +330,50 @@ def test_smoke_vocab_is_the_smoke_shards_vocab(smoke: Smoke, tmp_path: Path) -> 
         tmp_path, dupe_factor=1, num_shards=1, max_seq_length=32, max_predictions_per_seq=4
     )
     assert shards.vocab_file.read_text() == smoke.vocab.read_text()
+
+
+# --- the smoke dataset builder ------------------------------------------------------------------------
+
+
+def test_smoke_builder_writes_its_own_folder_once(smoke: Smoke, tmp_path: Path) -> None:
+    root = tmp_path / "squad_pydoc"
+    splits = build_squad_pydoc(str(root), **SMALL)
+    assert isinstance(splits, DataSplits) and splits.collate_fn is squad_collate
+    assert sorted(p.name for p in root.iterdir()) == sorted(
+        ["train-v1.1.json", "dev-v1.1.json", "vocab.txt", "pydoc_corpus.txt", MARKER]
+    )
+    # The same files as the writer's and the smoke shards' vocabulary, read like the real files.
+    for name, made in (("train-v1.1.json", smoke.train), ("dev-v1.1.json", smoke.dev)):
+        assert (root / name).read_bytes() == made.read_bytes()
+    assert (root / "vocab.txt").read_text() == smoke.vocab.read_text()
+    reference = load_squad_splits(smoke.train, smoke.dev, smoke.vocab, **SMALL)
+    assert len(splits.train) == len(reference.train) and len(splits.val) == len(reference.val)
+    assert splits.train.training and not splits.val.training
+    # A second use reads what is there; other arguments rewrite it.
+    stamp = (root / "train-v1.1.json").stat().st_mtime_ns
+    build_squad_pydoc(str(root), **SMALL)
+    assert (root / "train-v1.1.json").stat().st_mtime_ns == stamp
+    build_squad_pydoc(str(root), seed=7, **SMALL)
+    assert json.loads((root / MARKER).read_text()) == {"vocab_size": 2000, "seed": 7}
+    assert (root / "dev-v1.1.json").read_bytes() != smoke.dev.read_bytes()
+
+
+@pytest.mark.parametrize("foreign", ["part-00000-of-00001.hdf5", "train-v1.1.json", "vocab.txt"])
+def test_smoke_builder_never_writes_into_a_foreign_folder(tmp_path: Path, foreign: str) -> None:
+    # E.g. the pretraining smoke shards' folder, or a folder holding the real SQuAD files.
+    (tmp_path / foreign).write_text("not mine")
+    with pytest.raises(ConfigError, match="did not make") as info:
+        build_squad_pydoc(str(tmp_path), **SMALL)
+    assert "\n" not in str(info.value)
+    assert (tmp_path / foreign).read_text() == "not mine" and not (tmp_path / MARKER).exists()
+
+
+def _build_on_rank(rank: int, world: int, root: str) -> tuple[int, int, float]:
+    splits = build_squad_pydoc(root, **SMALL)
+    return len(splits.train), len(splits.val), Path(root, MARKER).stat().st_mtime
+
+
+@pytest.mark.distributed
+def test_smoke_builder_rank0_writes_and_the_others_wait(tmp_path: Path) -> None:
+    results = run_distributed(_build_on_rank, 2, str(tmp_path / "squad_pydoc"))
+    assert results[0] == results[1] and results[0][0] > 0  # rank 1 read the files rank 0 wrote

@@ -80,3 +80,31 @@ def test_a_checkpoint_of_another_size_is_rejected(tmp_path: Path, pretrained) ->
     assert "does not fit BERT preset 'base'" in message and "shape" in message
     message = _one_line(lambda: build_bert_qa("tiny", vocab_size=512, init_checkpoint=str(path)))
     assert "word_embeddings" in message
+
+
+def test_a_vocabulary_larger_than_the_model_is_rejected(tmp_path: Path, pretrained) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "tiny.pt"
+    torch.save(pretrained, path)
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    fits = tmp_path / "fits.txt"
+    fits.write_text("\n".join([*special, *(f"w{i}" for i in range(VOCAB - 5))]) + "\n")
+    too_big = tmp_path / "big.txt"
+    too_big.write_text("\n".join([*special, *(f"w{i}" for i in range(VOCAB - 4))]) + "\n")
+    # Exactly as many tokens as embedding rows fits; one more would index past the embeddings.
+    model = build_bert_qa("tiny", init_checkpoint=str(path), vocab_file=str(fits))
+    assert model.config.vocab_size == VOCAB
+    message = _one_line(
+        lambda: build_bert_qa("tiny", init_checkpoint=str(path), vocab_file=str(too_big))
+    )
+    assert f"has {VOCAB + 1} tokens but the model's vocab_size is {VOCAB}" in message
+    assert "301 tokens" in _one_line(
+        lambda: build_bert_qa("tiny", vocab_size=VOCAB, vocab_file=str(too_big))
+    )
+
+
+def test_the_recipe_placeholder_names_the_phase2_run(tmp_path: Path) -> None:
+    message = _one_line(
+        lambda: build_bert_qa("tiny", init_checkpoint="PHASE2_RUN_DIR/checkpoints/last.pt")
+    )
+    assert "'PHASE2_RUN_DIR/checkpoints/last.pt' does not exist" in message
+    assert "phase-2 run" in message

@@ -64,7 +64,8 @@ def test_paper_values_of_both_arms(phase: int) -> None:
         assert cfg.task._target_.endswith("build_masked_lm")
         t = cfg.train
         assert t.max_steps == steps and t.global_batch_size == global_batch
-        assert dict(t.targets) == {"mlm_accuracy": 0.720}
+        # No stop target: the whole step budget runs; the chain's target is SQuAD F1 (bert_large_squad).
+        assert dict(t.targets) == {} and not t.stop_at_target
         assert t.eval_every_steps and t.eval_every_steps <= steps // 10  # evaluated every N steps
         # On the paper's 16 GPUs the local batch accumulates to exactly the global batch.
         accum = accumulation_steps(t.batch_size, PAPER_GPUS, global_batch, default=1)
@@ -174,7 +175,9 @@ def _evals(run: Path) -> list[dict[str, Any]]:
 def test_phase1_smoke_trains_on_real_shards(smoke_runs: dict[str, Path], arm: str) -> None:
     summary = _summary(smoke_runs[arm])
     assert summary["status"] == "success" and summary["kfac_enabled"] is (arm == "kfac")
-    assert summary["target_metric"] == "mlm_accuracy" and summary["reached_target"]
+    # Masked-LM accuracy is logged, not a target: a finished run is a success.
+    assert summary["target_metric"] == "mlm_accuracy" and summary["targets"] == {}
+    assert summary["best_metric"] is not None and not summary["reached_target"]
     assert summary["steps"] == 8 and summary["samples"] == 8 * 16  # global batch 16 = 8 x 2 micro
     assert summary["config"]["optimizer"]["name"] == "lamb"
     if arm == "kfac":

@@ -4,6 +4,7 @@ learns on the smoke set."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,17 @@ from torch.utils.data import DataLoader
 from kfac_bench.data.loader import ShardSampler
 from kfac_bench.data.squad import SquadFeatures, load_squad_tokenizer, read_squad, squad_collate
 from kfac_bench.errors import UserError
+from kfac_bench.metrics.squad_eval import main as squad_eval_main
 from kfac_bench.metrics.squad_eval import squad_v11_scores
 from kfac_bench.models.bert_qa import build_bert_qa
 from kfac_bench.tasks.base import Task
-from kfac_bench.tasks.squad import SquadTask, best_span, build_squad_task, postprocess
+from kfac_bench.tasks.squad import (
+    PREDICTIONS_FILE,
+    SquadTask,
+    best_span,
+    build_squad_task,
+    postprocess,
+)
 from tests.data.squad_fixtures import (
     Smoke,
     make_smoke,
@@ -150,6 +158,22 @@ def test_evaluate_with_oracle_model_scores_100(smoke: Smoke) -> None:
     loader = DataLoader(features, batch_size=7, collate_fn=squad_collate)
     assert task.evaluate(OracleModel(features), loader) == {"exact_match": 100.0, "f1": 100.0}
     assert task.last_predictions == gold(features)
+
+
+def test_save_outputs_writes_the_last_predictions_for_squad_eval(
+    smoke: Smoke, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    task = SquadTask()
+    assert task.save_outputs(tmp_path) is None  # never evaluated: nothing to write
+    features = dev_features(smoke, MEDIUM)
+    loader = DataLoader(features, batch_size=7, collate_fn=squad_collate)
+    metrics = task.evaluate(OracleModel(features), loader)
+    path = task.save_outputs(tmp_path)
+    assert path == tmp_path / PREDICTIONS_FILE
+    assert json.loads(path.read_text()) == task.last_predictions == gold(features)
+    # The official scoring of the written file is what evaluate reported.
+    assert squad_eval_main([str(smoke.dev), str(path)]) == 0
+    assert json.loads(capsys.readouterr().out) == metrics
 
 
 def _evaluate_shard(rank: int, world: int, features: SquadFeatures) -> dict[str, object]:
