@@ -35,7 +35,7 @@ from kfac_bench.train.checkpoint import (
 from kfac_bench.train.distributed import DistEnv
 from kfac_bench.train.kfac_adapter import build_preconditioner
 from kfac_bench.train.loop import Loop
-from kfac_bench.train.optim import build_lr_scheduler, build_optimizer, lr_factor
+from kfac_bench.train.optim import base_lr, build_lr_scheduler, build_optimizer, lr_factor
 from kfac_bench.train.signals import PreemptionFlag
 from kfac_bench.train.state import TrainState
 
@@ -147,7 +147,13 @@ def build_run(cfg: DictConfig, run_dir: Path, env: DistEnv, device: torch.device
     fp16_on_cuda = device.type == "cuda" and precision is Precision.fp16
     scaler = torch.amp.GradScaler("cuda") if fp16_on_cuda else None
     optimizer = build_optimizer(module, cfg.optimizer, env.world_size)
-    factor = lr_factor(cfg.lr_schedule, plan.steps_per_epoch, max_steps, env.world_size)
+    factor = lr_factor(
+        cfg.lr_schedule,
+        plan.steps_per_epoch,
+        max_steps,
+        env.world_size,
+        base_lr=base_lr(cfg.optimizer, env.world_size),
+    )
     scheduler = build_lr_scheduler(optimizer, factor)
     precond = build_preconditioner(
         module,
