@@ -27,9 +27,10 @@ from kfac_bench.data.bert import BertPretrainingDataset
 from kfac_bench.data.bert_corpus import write_pydoc_corpus
 from kfac_bench.errors import ConfigError
 from kfac_bench.models.bert import BERT_KFAC_SKIP_LAYERS, build_bert, load_model_state
-from kfac_bench.train.build import build_data, instantiate
+from kfac_bench.train.build import build_data
 from kfac_bench.train.kfac_adapter import build_preconditioner
 from kfac_bench.train.optim import lr_factor
+from kfac_bench.train.warm_start import locate
 from tests.harness.util import run_cli
 
 # TPDS §6.3.3: (sequence length, predictions per sequence, steps, global batch, LR, warm-up).
@@ -150,7 +151,7 @@ def smoke_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "train",
         f"+recipe={_recipe(2, True, smoke=True)}",
         f"dataset.root={root / 'shards512'}",
-        f"model.init_checkpoint={runs['lamb'] / 'checkpoints' / 'last.pt'}",
+        f"train.init_from={runs['lamb']}",
         "train.seed=1",
         *CLI_QUIET,
         f"hydra.run.dir={root / 'phase2'}",
@@ -158,6 +159,7 @@ def smoke_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     runs["phase2"] = root / "phase2"
+    (root / "phase2" / "stdout.txt").write_text(result.stdout)
     runs["shards128"], runs["shards512"] = root / "shards128", root / "shards512"
     return runs
 
@@ -224,8 +226,16 @@ def test_phase2_starts_from_the_phase1_checkpoint(smoke_runs: dict[str, Path]) -
     summary = _summary(smoke_runs["phase2"])
     assert summary["status"] == "success" and summary["kfac_enabled"]
     cfg = summary["config"]
-    assert cfg["model"]["init_checkpoint"].endswith("checkpoints/last.pt")
+    assert (
+        cfg["train"]["init_from"] == str(smoke_runs["lamb"])
+        and cfg["model"]["init_checkpoint"] is None
+    )
     assert cfg["dataset"]["max_seq_length"] == 512
+    # Table 4(a): LAMB phase 1, K-FAC phase 2: the model and LAMB's moments carried, factors from identity.
+    out = (smoke_runs["phase2"] / "stdout.txt").read_text()
+    assert (
+        "started from" in out and "model, optimizer state, K-FAC factors from the identity" in out
+    )
     phase1 = load_model_state(smoke_runs["lamb"] / "checkpoints" / "last.pt")
     phase2 = load_model_state(smoke_runs["phase2"] / "checkpoints" / "last.pt")
     # Phase 2 runs with another seed, so without the checkpoint it would start from another random init.
@@ -276,9 +286,20 @@ def test_prepare_bert_subcommand_writes_shards_the_recipes_read(
     assert len(err) == 1 and "invalid int value: 'many'" in err[0]
 
 
-def test_phase2_refuses_to_start_without_the_phase1_checkpoint() -> None:
+def test_phase2_refuses_to_start_without_the_phase1_run(tmp_path: Path) -> None:
     for arm in (True, False):
-        cfg = compose_run([f"+recipe={_recipe(2, arm)}", "model.preset=tiny"])
-        with pytest.raises(ConfigError, match=r"init_checkpoint 'PHASE1_RUN_DIR/.*phase-1 run"):
-            instantiate(cfg.model)
-        assert compose_run([f"+recipe={_recipe(1, arm)}"]).model.init_checkpoint is None
+        cfg = compose_run([f"+recipe={_recipe(2, arm)}"])
+        assert cfg.train.init_from == "PHASE1_RUN_DIR" and cfg.model.init_checkpoint is None
+        with pytest.raises(
+            ConfigError, match=r"init_from 'PHASE1_RUN_DIR' does not exist.*phase-1 run"
+        ):
+            locate(cfg.train.init_from)
+        assert compose_run([f"+recipe={_recipe(1, arm)}"]).train.init_from is None
+    # Through the CLI: one line, status 2, before the model or the data is built.
+    done = run_cli(
+        "train", f"+recipe={_recipe(2, True)}", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path
+    )
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1 and "PHASE1_RUN_DIR" in err[0], done.stderr[
+        -2000:
+    ]
