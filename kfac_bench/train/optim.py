@@ -23,7 +23,7 @@ from kfac_bench.config.schema import (
 )
 from kfac_bench.errors import ConfigError
 
-__all__ = ["base_lr", "build_lr_scheduler", "build_optimizer", "lr_factor"]
+__all__ = ["base_lr", "build_lr_scheduler", "build_optimizer", "lr_factor", "schedule_steps"]
 
 
 def base_lr(cfg: OptimizerConfig, world_size: int) -> float:
@@ -93,15 +93,7 @@ def lr_factor(
         ConfigError: a schedule that cannot be computed (no length, or an ``mlperf_linear`` warm-up that
             would start below zero).
     """
-    unit = ScheduleUnit(cfg.unit)
-    per_unit = {
-        ScheduleUnit.epochs: float(steps_per_epoch),
-        ScheduleUnit.steps: 1.0,
-        ScheduleUnit.fraction: float(total_steps),
-    }[unit]
-    warmup = cfg.warmup * per_unit
-    total = cfg.total * per_unit if cfg.total is not None else float(total_steps)
-    milestones = sorted(m * per_unit for m in cfg.milestones)
+    warmup, milestones, total = schedule_steps(cfg, steps_per_epoch, total_steps)
     start = cfg.warmup_start_factor if cfg.warmup_start_factor is not None else 1.0 / world_size
     name = ScheduleName(cfg.name)
     if total <= 0:
@@ -129,6 +121,19 @@ def lr_factor(
         return decay(float(step))
 
     return factor
+
+
+def schedule_steps(
+    cfg: LRScheduleConfig, steps_per_epoch: int, total_steps: int
+) -> tuple[float, list[float], float]:
+    """The schedule's warm-up, milestones and length in optimizer steps (``cfg.unit`` converted)."""
+    per_unit = {
+        ScheduleUnit.epochs: float(steps_per_epoch),
+        ScheduleUnit.steps: 1.0,
+        ScheduleUnit.fraction: float(total_steps),
+    }[ScheduleUnit(cfg.unit)]
+    total = cfg.total * per_unit if cfg.total is not None else float(total_steps)
+    return cfg.warmup * per_unit, sorted(m * per_unit for m in cfg.milestones), total
 
 
 def _mlperf_slope(cfg: LRScheduleConfig, warmup: float, base_lr: float | None) -> float | None:

@@ -32,6 +32,8 @@ from kfac_bench.train.kfac_adapter import build_preconditioner
 from kfac_bench.train.optim import lr_factor
 from kfac_bench.train.warm_start import locate
 from tests.harness.util import run_cli
+from tests.metrics.mlperf_checker import check as mlperf_check
+from tests.metrics.mlperf_checker import events
 
 # TPDS §6.3.3: (sequence length, predictions per sequence, steps, global batch, LR, warm-up).
 PHASES = {
@@ -190,6 +192,20 @@ def test_phase1_smoke_trains_on_real_shards(smoke_runs: dict[str, Path], arm: st
     # The reader fed the run from real NVIDIA-layout shards of the phase's sequence length.
     data = BertPretrainingDataset(smoke_runs["shards128"], shard_by_rank=False)
     assert data.max_seq_length == 128 and data.max_predictions_per_seq == 20 and len(data) > 128
+    # MLPerf's BERT log: the compliance checker passes; run_stop (success) right after the first
+    # evaluation that meets the target, whose time is the summary's time to target.
+    passed, report = mlperf_check(smoke_runs[arm] / "mlperf.log")
+    assert passed, report
+    log = events(smoke_runs[arm] / "mlperf.log")
+    keys = [e["key"] for e in log]
+    reached = [e for e in evals if e["step"] <= summary["steps_to_target"]]
+    assert keys[-3:] == ["eval_accuracy", "eval_stop", "run_stop"]
+    assert keys.count("eval_accuracy") == len(reached)
+    start, stop = log[keys.index("run_start")], log[-1]
+    assert stop["metadata"]["status"] == "success"
+    assert (stop["time_ms"] - start["time_ms"]) / 1000 == pytest.approx(
+        summary["time_to_target_s"], abs=1.5e-3
+    )
 
 
 def test_both_arms_see_the_same_data_and_differ_only_by_kfac(smoke_runs: dict[str, Path]) -> None:
@@ -255,6 +271,8 @@ def test_phase2_starts_from_the_phase1_checkpoint(smoke_runs: dict[str, Path]) -
     assert dist(phase2, phase1) < 0.15 * norm and dist(fresh, phase1) > 0.7 * norm
     with h5py.File(next(smoke_runs["shards512"].glob("*.hdf5")), "r") as f:
         assert f["input_ids"].shape[1] == 512 and f["masked_lm_positions"].shape[1] == 80
+    passed, report = mlperf_check(smoke_runs["phase2"] / "mlperf.log")
+    assert passed, report
 
 
 # ----------------------------------------------------------------------------------------------------------

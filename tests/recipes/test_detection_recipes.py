@@ -29,6 +29,8 @@ from kfac_bench.train.build import build_data, instantiate
 from kfac_bench.train.kfac_adapter import build_preconditioner
 from kfac_bench.train.optim import build_lr_scheduler, lr_factor
 from tests.harness.util import run_cli
+from tests.metrics.mlperf_checker import check as mlperf_check
+from tests.metrics.mlperf_checker import events
 
 # KAISA Table 2 (the KAISA runs, 32 V100): global batch, LR, warm-up iterations, K_freq, F_freq.
 BATCH, LR, WARMUP, K_FREQ, F_FREQ = 64, 0.08, 800, 500, 50
@@ -246,6 +248,14 @@ def test_kfac_smoke_twin_trains_and_runs_cocoeval(tmp_path: Path) -> None:
     assert stages["factor"] > 0 and stages["decomposition"] > 0 and stages["precondition"] > 0
     lines = (run_dir / "eval.jsonl").read_text().splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["epoch"] == 1.0
+    # mlperf.log: both target metrics under MLPerf's names, aborted (targets not met), checker passes.
+    log = events(run_dir / "mlperf.log")
+    (accuracy,) = [e for e in log if e["key"] == "eval_accuracy"]
+    final = summary["final_metrics"]
+    assert accuracy["value"] == {"BBOX": final["bbox_map"], "SEGM": final["segm_map"]}
+    assert [e["metadata"]["status"] for e in log if e["key"] == "run_stop"] == ["aborted"]
+    passed, report = mlperf_check(run_dir / "mlperf.log")
+    assert passed, report
 
 
 def test_sgd_smoke_twin_stops_at_the_first_evaluation_meeting_both_targets(tmp_path: Path) -> None:
