@@ -262,14 +262,11 @@ class MLPerfLog:
         self.anchor_ms, self.stopped = state["anchor_ms"], bool(state["stopped"])
         self.in_block = bool(state["in_block"])
         size = state["bytes"]
+        self._restored_bytes = None
         if not self.enabled or size is None or self.anchor_ms is None:
-            self._restored_bytes = None
             return
         if not self.path.is_file() or self.path.stat().st_size < size:
-            self._restored_bytes = (
-                None  # the log is gone or shorter: start it again on the same clock
-            )
-            return
+            return  # the log is gone or shorter: begin() starts it again on the same clock
         self._flush_truncate(size)
         self._restored_bytes = size
 

@@ -205,3 +205,19 @@ def test_full_recipes_header_against_open_and_closed_rules(recipe: str, tmp_path
     passed, report = check(tmp_path / "mlperf.log", division="closed")
     expected = CLOSED_VIOLATIONS[str(t.benchmark_name)]
     assert missing_or_failed_keys(report) == expected and passed is (not expected), report
+
+
+def test_a_resumed_run_whose_log_is_gone_starts_it_again_on_the_same_clock(tmp_path: Path) -> None:
+    common = (AS_RESNET, "train.targets.top1=1.01", "train.checkpoint_every_epochs=0")
+    assert train(tiny_cfg(*common, "train.max_steps=8"), tmp_path) == 0
+    first_start = _one(events(tmp_path / "mlperf.log"), "run_start")["time_ms"]
+    (tmp_path / "mlperf.log").unlink()
+    assert train(tiny_cfg(*common), tmp_path) == 0
+    log = events(tmp_path / "mlperf.log")
+    assert _keys(log).count("run_start") == 1 and _one(log, "run_start")["time_ms"] == first_start
+    stop = _one(log, "run_stop")
+    assert (stop["time_ms"] - first_start) / 1000 == pytest.approx(
+        _summary(tmp_path)["wall_time_s"], abs=0.05
+    )
+    passed, report = check(tmp_path / "mlperf.log")
+    assert passed, report
