@@ -258,8 +258,9 @@ class TrainConfig:
     tensorboard: bool = True
     mlperf_log: bool = True
     benchmark_name: str = "kfac_bench"
-    #: Start from another run (BERT phase 2 from phase 1): its run directory (or ``checkpoints/last.pt``).
-    #: Model, optimizer state and K-FAC factors are carried over; counters and LR schedule start at 0
+    #: Start from another run (BERT phase 2 from phase 1; the phase-2 recipes set it to
+    #: ``model.init_checkpoint``): its run directory or ``checkpoints/last.pt``. Model, optimizer state and
+    #: K-FAC factors are carried over; counters and LR schedule start at 0
     #: (``kfac_bench/train/warm_start.py``). Ignored when this run directory resumes from its own checkpoint.
     init_from: str | None = None
 

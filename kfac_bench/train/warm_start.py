@@ -22,7 +22,9 @@ identity, as in any first K-FAC step. Phase 2 without K-FAC (Table 4b): phase 1'
 Layers that only this run preconditions (another ``kfac.skip_layers``) start from the identity; layers that
 only phase 1 preconditioned are dropped; the line this module returns says how many were carried.
 
-A run directory that holds its own checkpoint resumes from it instead (the run is already under way).
+A run directory that holds its own checkpoint resumes from it instead (the run is already under way). The
+BERT phase-2 recipes set ``train.init_from`` to ``model.init_checkpoint`` (the key their commands pass), so
+the model builder has loaded the same weights already; loading them again here changes nothing.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def locate(path: str | Path) -> Path:
     if p.is_file():
         return p.parent
     raise ConfigError(
-        f"{_KEY} '{path}' does not exist: give the phase-1 run directory (or its checkpoints/last.pt)"
+        f"{_KEY} '{path}' does not exist: give the phase-1 run directory or its checkpoints/last.pt "
+        "(the BERT phase-2 recipes take it as model.init_checkpoint)"
     )
 
 
