@@ -190,6 +190,7 @@ def test_full_recipes_header_against_open_and_closed_rules(recipe: str, tmp_path
         train_samples=examples,
         eval_samples=5000,
         targets=dict(t.targets),
+        primary=next(iter(metrics)),
         hyperparameters=hyperparameters(cfg, plan, max_steps, world),
     )
     log = MLPerfLog(tmp_path / "mlperf.log", facts)
