@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kfac_bench.config import config_dir
-from kfac_bench.errors import UserError
+from kfac_bench.errors import ConfigError, UserError
 
 __all__ = ["SUMMARY", "check_overrides", "help_text", "main"]
 
@@ -22,7 +22,14 @@ SUMMARY = """\
   train     train a model: kfac-bench train [+recipe=NAME] [group=option] [key=value ...]
             (kfac-bench train --help lists the config groups, options and recipes)"""
 
+#: Hydra's flags that take the next argument as their value (``--cfg job`` as well as ``--cfg=job``), and
+#: ``--info`` / ``-i``, whose value is optional: the next argument is its value only if it is one of these
+#: choices (hydra/_internal/utils.py ``get_args_parser``, Hydra 1.3).
 _FLAGS_WITH_VALUE = {
+    "--cfg",
+    "-c",
+    "--package",
+    "-p",
     "--config-name",
     "-cn",
     "--config-path",
@@ -30,6 +37,22 @@ _FLAGS_WITH_VALUE = {
     "--config-dir",
     "-cd",
     "--experimental-rerun",
+}
+_FLAGS_WITH_OPTIONAL_VALUE = {"--info", "-i"}
+_INFO_CHOICES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
+_CFG_CHOICES = {"job", "hydra", "all"}
+#: Hydra runs in one of these modes; naming two is an error in any Hydra application.
+_MODES = {
+    "--run": "--run",
+    "-r": "--run",
+    "--multirun": "--multirun",
+    "-m": "--multirun",
+    "--cfg": "--cfg",
+    "-c": "--cfg",
+    "--info": "--info",
+    "-i": "--info",
+    "--shell-completion": "--shell-completion",
+    "-sc": "--shell-completion",
 }
 _MAX_SWEEP_CHECKS = 32
 
@@ -81,16 +104,23 @@ def _default_choices() -> dict[str, str]:
 
 
 def _split(args: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(flags with their values, overrides)."""
-    flags, overrides = [], []
-    it = iter(args)
-    for arg in it:
-        if arg.startswith("-"):
-            flags.append(arg)
-            if arg in _FLAGS_WITH_VALUE:
-                flags.append(next(it, ""))
-        else:
+    """(flags with their values, overrides), as Hydra's own command-line parser splits them."""
+    flags: list[str] = []
+    overrides: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if not arg.startswith("-"):
             overrides.append(arg)
+            continue
+        flags.append(arg)
+        takes_next = arg in _FLAGS_WITH_VALUE or (
+            arg in _FLAGS_WITH_OPTIONAL_VALUE and i < len(args) and args[i] in _INFO_CHOICES
+        )
+        if takes_next and i < len(args):
+            flags.append(args[i])
+            i += 1
     return flags, overrides
 
 
@@ -136,10 +166,45 @@ def main(args: Sequence[str]) -> int:
         print(help_text(), end="")
         return 0
     flags, overrides = _split(args)
-    multirun = "-m" in flags or "--multirun" in flags
-    if not any(f in flags for f in ("--hydra-help", "--info", "-i", "--shell-completion", "-sc")):
-        check_overrides(overrides, multirun)
+    names = _check_flags(flags)
+    if not names & {"--hydra-help", "--info", "-i", "--shell-completion", "-sc", "--version"}:
+        check_overrides(overrides, multirun=bool(names & {"-m", "--multirun"}))
     return _run_hydra(normalize_overrides(args))
+
+
+def _check_flags(flags: list[str]) -> set[str]:
+    """The names of the flags given (``--cfg=job`` is ``--cfg``), after the checks Hydra makes itself, so
+    that their failures are one line like every other user error.
+
+    Raises:
+        ConfigError: two of Hydra's modes at once (``-m`` with ``--cfg``, ...), or a ``--cfg`` / ``--info``
+            value that is not one of Hydra's choices.
+    """
+    names: list[str] = []
+    values: dict[str, str] = {}
+    for i, flag in enumerate(flags):
+        if not flag.startswith("-"):
+            continue  # the value of the flag before
+        name, eq, value = flag.partition("=")
+        names.append(name)
+        nxt = flags[i + 1] if i + 1 < len(flags) and not flags[i + 1].startswith("-") else ""
+        values[name] = value if eq else nxt
+    modes = sorted({_MODES[n] for n in names if n in _MODES})
+    if len(modes) > 1:
+        raise ConfigError(
+            f"Hydra takes one of --run, --multirun, --cfg, --info, --shell-completion; got {', '.join(modes)}"
+        )
+    for name, choices in (("--cfg", _CFG_CHOICES), ("-c", _CFG_CHOICES)):
+        if name in values and values[name] not in choices:
+            raise ConfigError(
+                f"{name} '{values[name]}' is not one of {', '.join(sorted(choices))} (e.g. {name} job)"
+            )
+    for name in ("--info", "-i"):
+        if values.get(name) and values[name] not in _INFO_CHOICES:
+            raise ConfigError(
+                f"{name} '{values[name]}' is not one of {', '.join(sorted(_INFO_CHOICES))}"
+            )
+    return set(names)
 
 
 def _run_hydra(args: list[str]) -> int:

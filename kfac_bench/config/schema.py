@@ -35,6 +35,19 @@ class ScheduleName(str, Enum):
     constant = "constant"
 
 
+class WarmupMethod(str, Enum):
+    """How the LR warms up (the names of maskrcnn-benchmark's ``SOLVER.WARMUP_METHOD``).
+
+    ``linear``: the factor rises linearly from ``warmup_start_factor`` to 1. ``mlperf_linear``: the rate
+    rises by ``warmup_factor`` per step to the base rate, ``lr(t) = lr - (warmup - t) * warmup_factor``
+    (an absolute slope, not a factor of the rate; NVIDIA DeepLearningExamples MaskRCNN
+    ``maskrcnn_benchmark/solver/lr_scheduler.py``, ``WarmupMultiStepLR``).
+    """
+
+    linear = "linear"
+    mlperf_linear = "mlperf_linear"
+
+
 class ScheduleUnit(str, Enum):
     """What the numbers of an LR schedule count: epochs, optimizer steps, or a fraction of all steps."""
 
@@ -116,9 +129,12 @@ class LRScheduleConfig:
     """``lr_schedule/``: a multiplier of the base LR as a plain function of training progress.
 
     Linear warm-up over ``warmup`` units from ``warmup_start_factor`` (None: ``1 / world_size``, the paper's
-    "from LR/N up to LR", i.e. from the single-worker rate) to 1, then: ``warmup_multistep`` multiplies by
-    ``gamma`` at every milestone passed; ``polynomial`` decays as ``(1 - t/total) ** power`` to
-    ``min_factor``; ``cosine`` follows a half cosine to ``min_factor``; ``constant`` stays at 1.
+    "from LR/N up to LR", i.e. from the single-worker rate) to 1; with ``warmup_method: mlperf_linear``
+    the rate instead rises by ``warmup_factor`` (in LR units) per step and reaches the base rate at the end
+    of the warm-up, multiplied by ``gamma`` for every milestone passed (see :class:`WarmupMethod`).
+    Then: ``warmup_multistep`` multiplies by ``gamma`` at every milestone passed; ``polynomial`` decays as
+    ``(1 - t/total) ** power`` to ``min_factor``; ``cosine`` follows a half cosine to ``min_factor``;
+    ``constant`` stays at 1.
     ``total`` defaults to the run's length. ``decay_from_start``: the polynomial/cosine progress counts from
     step 0, not from the end of the warm-up, as NVIDIA's BERT ``PolyWarmUpScheduler`` does (the paper's BERT
     runs): the rate then drops from 1 to ``(1 - warmup/total) ** power`` when the warm-up ends.
@@ -128,6 +144,8 @@ class LRScheduleConfig:
     unit: ScheduleUnit = ScheduleUnit.epochs
     warmup: float = 0.0
     warmup_start_factor: float | None = None
+    warmup_method: WarmupMethod = WarmupMethod.linear
+    warmup_factor: float = 0.0
     milestones: List[float] = field(default_factory=list)
     gamma: float = 0.1
     power: float = 1.0
@@ -240,6 +258,11 @@ class TrainConfig:
     tensorboard: bool = True
     mlperf_log: bool = True
     benchmark_name: str = "kfac_bench"
+    #: Start from another run (BERT phase 2 from phase 1; the phase-2 recipes set it to
+    #: ``model.init_checkpoint``): its run directory or ``checkpoints/last.pt``. Model, optimizer state and
+    #: K-FAC factors are carried over; counters and LR schedule start at 0
+    #: (``kfac_bench/train/warm_start.py``). Ignored when this run directory resumes from its own checkpoint.
+    init_from: str | None = None
 
 
 @dataclass

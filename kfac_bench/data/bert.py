@@ -48,6 +48,10 @@ SHARD_FIELDS: tuple[str, ...] = (
 IGNORE_INDEX = -100
 #: Sub-directory of a prepared data directory that holds the held-out (evaluation) shards.
 HELDOUT_SUBDIR = "heldout"
+#: Name parts of NVIDIA's shards (``bertPrep.py --action create_hdf5_files`` writes
+#: ``<dataset>_training_<i>.hdf5`` and ``<dataset>_test_<i>.hdf5`` into one folder; ``run_pretraining.py``
+#: trains on the files whose name contains "training").
+NVIDIA_TRAINING, NVIDIA_TEST = "training", "test"
 
 _HOW_TO_GET = (
     "Create shards with `kfac-bench prepare-bert --input CORPUS.txt --output-dir DIR` "
@@ -108,6 +112,7 @@ class BertPretrainingDataset(Dataset[dict[str, torch.Tensor]]):
         drop_remainder: give every rank the same number of examples (see :func:`rank_range`).
         rank: override of the torch.distributed rank (for tests and tools); needs ``world_size``.
         world_size: override of the torch.distributed world size.
+        files: the shards to read (default: every shard directly inside ``root``).
 
     Raises:
         DatasetError: missing directory, no shards, a shard missing a field, or inconsistent shapes.
@@ -121,8 +126,9 @@ class BertPretrainingDataset(Dataset[dict[str, torch.Tensor]]):
         drop_remainder: bool = True,
         rank: int | None = None,
         world_size: int | None = None,
+        files: Sequence[Path] | None = None,
     ) -> None:
-        self.files = list_shards(root)
+        self.files = sorted(files) if files is not None else list_shards(root)
         sizes = [self._check_shard(f) for f in self.files]
         self.max_seq_length, self.max_predictions_per_seq = self._common_shapes(sizes)
         counts = np.array([n for n, _, _ in sizes], dtype=np.int64)
@@ -232,24 +238,72 @@ def example_from_arrays(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor
     }
 
 
+def split_shards(
+    root: str | os.PathLike[str], heldout_root: str | os.PathLike[str] | None = None
+) -> tuple[list[Path], list[Path]]:
+    """(training shards, held-out shards) of a data directory, in either layout:
+
+    * NVIDIA's, as its data scripts leave it: ``*_training_N.hdf5`` and ``*_test_N.hdf5`` side by side.
+      The files named "training" train (NVIDIA's ``run_pretraining.py`` reads only those); the files named
+      "test" are held out.
+    * ``kfac-bench prepare-bert``'s: every shard in ``root`` trains; ``root/heldout`` is held out.
+
+    ``heldout_root``, if given, is held out instead (an NVIDIA folder then still trains on its
+    "training" files only).
+
+    Raises:
+        DatasetError: no shards, a shard in an NVIDIA folder named neither "training" nor "test", or no
+            held-out shards.
+    """
+    files = list_shards(root)
+    training = [f for f in files if NVIDIA_TRAINING in f.name]
+    nvidia = bool(training)
+    if nvidia:
+        test = [f for f in files if f not in training and NVIDIA_TEST in f.name]
+        other = [f for f in files if f not in training and f not in test]
+        if other:
+            raise DatasetError(
+                other[0],
+                f"a shard named like NVIDIA's (*_{NVIDIA_TRAINING}_N.hdf5 or *_{NVIDIA_TEST}_N.hdf5) in a "
+                f"folder of NVIDIA shards ({len(other)} other file(s)); move it out",
+            )
+    else:
+        training, test = files, []
+    if heldout_root is not None:
+        return training, list_shards(heldout_root)
+    if nvidia:
+        if not test:
+            raise DatasetError(
+                Path(root),
+                f"held-out shards: NVIDIA's *_{NVIDIA_TEST}_N.hdf5 next to the training shards",
+                "or give dataset.heldout_root=DIR",
+            )
+        return training, test
+    return training, list_shards(Path(root) / HELDOUT_SUBDIR)
+
+
 def build_bert_pretraining(
     root: str = "data/bert/phase1", heldout_root: str | None = None
 ) -> DataSplits:
-    """Dataset builder (``dataset._target_``): training and held-out shards of a prepared directory.
+    """Dataset builder (``dataset._target_``): training and held-out shards of a data directory, NVIDIA's
+    folder as its scripts leave it or ``kfac-bench prepare-bert``'s (:func:`split_shards`).
 
     Both datasets hold all examples (``shard_by_rank=False``): the training loop's samplers split them
     across ranks (a ``DistributedSampler`` for training, a no-padding shard for evaluation), and sharding
     here as well would give each rank only ``1/world_size**2`` of the data.
 
     Args:
-        root: directory with the training ``*.hdf5`` shards (``kfac-bench prepare-bert --output-dir``).
-        heldout_root: directory with the evaluation shards; default ``root/heldout``.
+        root: directory with the shards (NVIDIA's ``*_training_N.hdf5`` + ``*_test_N.hdf5``, or the
+            training shards of ``kfac-bench prepare-bert --output-dir``).
+        heldout_root: directory with the evaluation shards; default NVIDIA's test shards in ``root``, or
+            ``root/heldout``.
 
     Raises:
         DatasetError: either directory missing, without shards, or with malformed shards.
     """
-    held = Path(heldout_root) if heldout_root is not None else Path(root) / HELDOUT_SUBDIR
+    training, heldout = split_shards(root, heldout_root)
+    held = Path(heldout_root) if heldout_root is not None else Path(root)
     return DataSplits(
-        train=BertPretrainingDataset(root, shard_by_rank=False),
-        val=BertPretrainingDataset(held, shard_by_rank=False, drop_remainder=False),
+        train=BertPretrainingDataset(root, shard_by_rank=False, files=training),
+        val=BertPretrainingDataset(held, shard_by_rank=False, drop_remainder=False, files=heldout),
     )

@@ -1,9 +1,10 @@
 """What a run records while it trains, on rank 0: evaluations to ``eval.jsonl``, scalars to TensorBoard,
-MLPerf-style events, and progress lines (or a bar).
+MLPerf events (:mod:`kfac_bench.metrics.mlperf`), and progress lines (or a bar).
 
-The loop calls :meth:`Recorder.on_step` after every optimizer step and :meth:`Recorder.on_eval` after every
-evaluation; neither changes the loop's order (STYLE.md guideline 8: callbacks only for what does not depend
-on order). Other ranks get a recorder that writes nothing.
+The loop calls :meth:`Recorder.on_step` after every optimizer step, :meth:`Recorder.on_epoch` when an epoch
+starts and ends, and :meth:`Recorder.on_eval_start` / :meth:`Recorder.on_eval` around every evaluation; none
+changes the loop's order (STYLE.md guideline 8: callbacks only for what does not depend on order). Other
+ranks get a recorder that writes nothing.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kfac_bench.metrics import sinks
+from kfac_bench.metrics.mlperf import MLPERF_FILE, MLPerfLog, RunFacts
 from kfac_bench.metrics.progress import Progress
-from kfac_bench.metrics.tracker import StageTimes, Throughput
+from kfac_bench.metrics.tracker import Clock, StageTimes, Throughput
 
 __all__ = ["Recorder", "RunProgress"]
 
@@ -26,6 +28,7 @@ class RunProgress(Protocol):
     epoch: int
     samples: int
     throughput: Throughput
+    wall: Clock
 
 
 class Recorder:
@@ -42,6 +45,10 @@ class Recorder:
         log_every_steps: steps between two logged training points.
         tensorboard / mlperf: write those sinks.
         benchmark: MLPerf's ``submission_benchmark``.
+        facts: what ``mlperf.log``'s header states (default: only the benchmark and ``primary``).
+
+    Attributes:
+        mlperf: the run's MLPerf log, a checkpoint part on every rank (it restores the log on resume).
     """
 
     def __init__(
@@ -58,16 +65,17 @@ class Recorder:
         tensorboard: bool = True,
         mlperf: bool = True,
         benchmark: str = "kfac_bench",
+        facts: RunFacts | None = None,
     ) -> None:
         self.state, self.stages, self.primary = state, stages, primary
         self.total_steps, self.every = total_steps, max(log_every_steps, 1)
         self.enabled = enabled
         self.jsonl = sinks.JsonlSink(Path(run_dir) / sinks.EVAL_FILE) if enabled else None
         self.tb = sinks.TensorBoardSink(Path(run_dir) / "tb") if enabled and tensorboard else None
-        self.mlperf = (
-            sinks.MLPerfSink(Path(run_dir) / sinks.MLPERF_FILE, benchmark)
-            if enabled and mlperf
-            else None
+        self.mlperf = MLPerfLog(
+            Path(run_dir) / MLPERF_FILE,
+            facts or RunFacts(benchmark, primary=primary),
+            enabled=enabled and mlperf,
         )
         self.progress = Progress(progress, total_steps, log_every_steps, enabled=enabled)
         self.last_metric: dict[str, float] = {}
@@ -79,11 +87,25 @@ class Recorder:
         self._t, self._samples = time.perf_counter(), self.state.samples
 
     def start(self, global_batch: int, resumed: bool) -> None:
-        """The run (or a resumed part of it) starts: MLPerf's ``run_start``."""
+        """The run (or a resumed part of it) starts training: MLPerf's header and ``run_start`` (once per
+        run; a resumed run continues the log it restored)."""
         self._reset_window()
         self._stages_before = self.stages.totals()
-        if self.mlperf is not None:
-            self.mlperf.run_start(global_batch, resumed=resumed)
+        hyper = self.mlperf.facts.hyperparameters
+        if "global_batch_size" not in hyper:
+            self.mlperf.facts.hyperparameters = {"global_batch_size": global_batch, **hyper}
+        s = self.state
+        self.mlperf.begin(s.wall.elapsed, resumed, s.step, s.samples)
+
+    def on_epoch(self, started: bool) -> None:
+        """An epoch starts (``started``) or ends; ``state.epoch`` counts the epochs completed before it."""
+        s = self.state
+        self.mlperf.epoch(started, s.epoch + 1, s.samples, s.wall.elapsed)
+
+    def on_eval_start(self, epoch: float) -> None:
+        """An evaluation starts after ``epoch`` epochs of training."""
+        s = self.state
+        self.mlperf.eval_start(epoch, s.step, s.samples, s.wall.elapsed)
 
     def on_step(self, loss: float, lr: float) -> None:
         """After an optimizer step: every ``log_every_steps`` steps (and at the last), the mean loss since
@@ -109,8 +131,9 @@ class Recorder:
             self.tb.scalars(scalars, s.step)
         self._reset_window()
 
-    def on_eval(self, record: dict[str, Any]) -> None:
-        """After an evaluation: ``record`` holds step, epoch, samples, wall/train seconds and metrics."""
+    def on_eval(self, record: dict[str, Any], target_met: bool = False) -> None:
+        """After an evaluation: ``record`` holds step, epoch, samples, wall/train seconds and metrics;
+        ``target_met``: it is the first evaluation that meets every target (MLPerf's ``run_stop``)."""
         metrics = record["metrics"]
         self.last_metric = {self.primary: metrics[self.primary]} if self.primary in metrics else {}
         if not self.enabled:
@@ -124,18 +147,12 @@ class Recorder:
         )
         if self.tb is not None:
             self.tb.scalars({f"eval/{k}": v for k, v in metrics.items()}, record["step"])
-        if self.mlperf is not None and self.primary in metrics:
-            self.mlperf.eval(
-                self.primary, metrics[self.primary], record["epoch"], record["samples"]
-            )
+        self.mlperf.eval_result(record, target_met, more_training=record["step"] < self.total_steps)
 
     def close(self, status: str | None = None) -> None:
-        """Close the display and the sinks; with the run's ``status``, MLPerf's ``run_stop`` first (a run
-        that crashed has none)."""
+        """Close the display and the sinks; a finished run whose targets were not met gets MLPerf's
+        ``run_stop`` (aborted) first (a preempted or crashed run has none)."""
         self.progress.close()
-        if self.mlperf is not None:
-            if status is not None:
-                self.mlperf.run_stop(status)
-            self.mlperf.close()
+        self.mlperf.close(status, self.state.wall.elapsed)
         if self.tb is not None:
             self.tb.close()

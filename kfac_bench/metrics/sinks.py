@@ -1,5 +1,5 @@
-"""Where a run's measurements go (rank 0 only): a JSON-lines file of evaluations, TensorBoard scalars and
-MLPerf-style events written with the ``mlperf-logging`` package.
+"""Where a run's measurements go (rank 0 only): a JSON-lines file of evaluations and TensorBoard scalars;
+MLPerf's log is :mod:`kfac_bench.metrics.mlperf`.
 
 Sinks do not depend on the loop's order, so they are plain objects the loop calls.
 
@@ -7,20 +7,17 @@ Files in the run directory:
     ``eval.jsonl``: one line per evaluation: step, epoch, samples, wall_time_s, train_time_s, metrics.
     ``tb/``: TensorBoard events (``train/loss``, ``train/lr``, ``train/samples_per_s``, ``kfac/<stage>_s``,
     ``eval/<metric>``).
-    ``mlperf.log``: ``:::MLLOG {...}`` lines (run_start, eval_accuracy, run_stop with status).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EVAL_FILE", "MLPERF_FILE", "JsonlSink", "MLPerfSink", "TensorBoardSink", "read_jsonl"]
+__all__ = ["EVAL_FILE", "JsonlSink", "TensorBoardSink", "read_jsonl"]
 
 EVAL_FILE = "eval.jsonl"
-MLPERF_FILE = "mlperf.log"
 
 
 class JsonlSink:
@@ -58,42 +55,3 @@ class TensorBoardSink:
     def close(self) -> None:
         self.writer.flush()
         self.writer.close()
-
-
-class MLPerfSink:
-    """MLPerf events through ``mlperf_logging.mllog`` into the run's ``mlperf.log`` only (not stdout)."""
-
-    def __init__(self, path: Path, benchmark: str) -> None:
-        from mlperf_logging.mllog import constants
-        from mlperf_logging.mllog.mllog import MLLogger
-
-        self.c = constants
-        logger = logging.getLogger(f"kfac_bench.mlperf.{id(self)}")
-        logger.propagate = False
-        logger.setLevel(logging.INFO)
-        self._handler = logging.FileHandler(path)
-        logger.addHandler(self._handler)
-        self.log = MLLogger(logger=logger, default_stack_offset=2)
-        self.benchmark = benchmark
-
-    def run_start(self, global_batch_size: int, resumed: bool) -> None:
-        self.log.event(key=self.c.SUBMISSION_BENCHMARK, value=self.benchmark)
-        self.log.event(key=self.c.GLOBAL_BATCH_SIZE, value=global_batch_size)
-        self.log.start(key=self.c.RUN_START, metadata={"resumed": resumed})
-
-    def eval(self, metric: str, value: float, epoch: float, samples: int) -> None:
-        self.log.event(
-            key=self.c.EVAL_ACCURACY,
-            value=value,
-            metadata={self.c.EPOCH_NUM: epoch, "metric": metric, "samples_count": samples},
-        )
-
-    def run_stop(self, status: str) -> None:
-        mlperf_status = self.c.SUCCESS if status == "success" else self.c.ABORTED
-        self.log.end(
-            key=self.c.RUN_STOP,
-            metadata={self.c.STATUS: mlperf_status, "kfac_bench_status": status},
-        )
-
-    def close(self) -> None:
-        self._handler.close()

@@ -9,6 +9,7 @@ import functools
 import os
 import random
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,8 @@ from kfac_bench.train.checkpoint import (
 from kfac_bench.train.distributed import DistEnv
 from kfac_bench.train.kfac_adapter import build_preconditioner
 from kfac_bench.train.loop import Loop
-from kfac_bench.train.optim import build_lr_scheduler, build_optimizer, lr_factor
+from kfac_bench.train.mlperf_facts import run_facts
+from kfac_bench.train.optim import base_lr, build_lr_scheduler, build_optimizer, lr_factor
 from kfac_bench.train.signals import PreemptionFlag
 from kfac_bench.train.state import TrainState
 
@@ -116,6 +118,7 @@ def build_run(cfg: DictConfig, run_dir: Path, env: DistEnv, device: torch.device
     Raises:
         UserError: a builder's problem with the user's data or settings (one line).
     """
+    init_start_s = time.time()  # MLPerf's init_start
     t = cfg.train
     _set_threads(t.cpu_threads, device)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -147,7 +150,13 @@ def build_run(cfg: DictConfig, run_dir: Path, env: DistEnv, device: torch.device
     fp16_on_cuda = device.type == "cuda" and precision is Precision.fp16
     scaler = torch.amp.GradScaler("cuda") if fp16_on_cuda else None
     optimizer = build_optimizer(module, cfg.optimizer, env.world_size)
-    factor = lr_factor(cfg.lr_schedule, plan.steps_per_epoch, max_steps, env.world_size)
+    factor = lr_factor(
+        cfg.lr_schedule,
+        plan.steps_per_epoch,
+        max_steps,
+        env.world_size,
+        base_lr=base_lr(cfg.optimizer, env.world_size),
+    )
     scheduler = build_lr_scheduler(optimizer, factor)
     precond = build_preconditioner(
         module,
@@ -168,21 +177,6 @@ def build_run(cfg: DictConfig, run_dir: Path, env: DistEnv, device: torch.device
     state = TrainState(world_size=env.world_size)
     tracker = TargetTracker(dict(t.targets), task.target_metric, bool(task.higher_is_better))
     stages = StageTimes(precond)
-    checkpoints = CheckpointManager(
-        run_dir / CHECKPOINT_DIR,
-        {
-            "model": module,
-            "optimizer": optimizer,
-            "scheduler": scheduler,
-            "scaler": scaler,
-            "precond": PreconditionerState(precond) if precond is not None else None,
-            "train_state": state,
-            "tracker": tracker,
-            "stage_times": stages,
-            "rng": RNGState(env.rank, env.world_size),  # last: restored after everything else
-        },
-        is_main=env.is_main,
-    )
     recorder = Recorder(
         run_dir,
         state,
@@ -195,6 +189,32 @@ def build_run(cfg: DictConfig, run_dir: Path, env: DistEnv, device: torch.device
         tensorboard=t.tensorboard,
         mlperf=t.mlperf_log,
         benchmark=t.benchmark_name,
+        facts=run_facts(
+            cfg,
+            plan=plan,
+            splits=splits,
+            max_steps=max_steps,
+            world_size=env.world_size,
+            device=device,
+            primary=tracker.primary,
+            init_start_s=init_start_s,
+        ),
+    )
+    checkpoints = CheckpointManager(
+        run_dir / CHECKPOINT_DIR,
+        {
+            "model": module,
+            "optimizer": optimizer,
+            "scheduler": scheduler,
+            "scaler": scaler,
+            "precond": PreconditionerState(precond) if precond is not None else None,
+            "train_state": state,
+            "tracker": tracker,
+            "stage_times": stages,
+            "mlperf_log": recorder.mlperf,  # its length and clock: a resumed run continues the log
+            "rng": RNGState(env.rank, env.world_size),  # last: restored after everything else
+        },
+        is_main=env.is_main,
     )
     loop = Loop(
         model=model,

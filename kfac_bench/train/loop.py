@@ -86,6 +86,8 @@ def run_loop(loop: Loop) -> str:
     s.wall.start()
     loop.module.train()
     while s.epoch < loop.epochs and s.step < loop.max_steps:
+        if s.micro_in_epoch == 0:  # a run resumed mid-epoch continues the epoch it logged
+            loop.recorder.on_epoch(started=True)
         s.train_clock.start()
         for micro_batches in _epoch_batches(loop):
             t0 = time.perf_counter()
@@ -145,6 +147,7 @@ def run_loop(loop: Loop) -> str:
         s.train_clock.stop()
         if s.step >= loop.max_steps and s.micro_in_epoch < loop.micro_per_epoch:
             break  # a step budget ended mid-epoch
+        loop.recorder.on_epoch(started=False)
         s.epoch += 1
         s.micro_in_epoch = 0
         finished = s.epoch >= loop.epochs or s.step >= loop.max_steps
@@ -200,21 +203,23 @@ def evaluate(loop: Loop) -> dict[str, Any]:
     """Evaluate, record the result (tracker, then recorder) and return the record."""
     s = loop.state
     s.train_clock.stop()
+    epoch = s.epoch + s.micro_in_epoch / max(loop.micro_per_epoch, 1)
+    loop.recorder.on_eval_start(epoch)
     loader: Any = loop.eval_loader
     if loop.limit_eval_batches is not None:
         loader = FirstBatches(loader, loop.limit_eval_batches)
     metrics = loop.task.evaluate(loop.module, loader)
     record = {
         "step": s.step,
-        "epoch": s.epoch + s.micro_in_epoch / max(loop.micro_per_epoch, 1),
+        "epoch": epoch,
         "samples": s.samples,
         "wall_time_s": s.wall.elapsed,
         "train_time_s": s.train_clock.elapsed,
         "metrics": metrics,
     }
     s.last_eval_step = s.step
-    loop.tracker.update(record)
-    loop.recorder.on_eval(record)
+    first = loop.tracker.update(record)
+    loop.recorder.on_eval(record, target_met=first)
     return record
 
 

@@ -19,10 +19,11 @@ from kfac_bench.config.schema import (
     OptimizerName,
     ScheduleName,
     ScheduleUnit,
+    WarmupMethod,
 )
 from kfac_bench.errors import ConfigError
 
-__all__ = ["base_lr", "build_lr_scheduler", "build_optimizer", "lr_factor"]
+__all__ = ["base_lr", "build_lr_scheduler", "build_optimizer", "lr_factor", "schedule_steps"]
 
 
 def base_lr(cfg: OptimizerConfig, world_size: int) -> float:
@@ -72,7 +73,11 @@ def build_optimizer(
 
 
 def lr_factor(
-    cfg: LRScheduleConfig, steps_per_epoch: int, total_steps: int, world_size: int = 1
+    cfg: LRScheduleConfig,
+    steps_per_epoch: int,
+    total_steps: int,
+    world_size: int = 1,
+    base_lr: float | None = None,
 ) -> Callable[[int], float]:
     """The LR multiplier as a function of the number of completed optimizer steps.
 
@@ -81,20 +86,19 @@ def lr_factor(
         steps_per_epoch: optimizer steps in one epoch (after accumulation).
         total_steps: optimizer steps of the whole run (``total`` defaults to it).
         world_size: the number of ranks (for the default warm-up start ``1 / world_size``).
+        base_lr: the rate the multiplier applies to (:func:`base_lr`); needed by ``mlperf_linear``, whose
+            warm-up slope is in LR units.
+
+    Raises:
+        ConfigError: a schedule that cannot be computed (no length, or an ``mlperf_linear`` warm-up that
+            would start below zero).
     """
-    unit = ScheduleUnit(cfg.unit)
-    per_unit = {
-        ScheduleUnit.epochs: float(steps_per_epoch),
-        ScheduleUnit.steps: 1.0,
-        ScheduleUnit.fraction: float(total_steps),
-    }[unit]
-    warmup = cfg.warmup * per_unit
-    total = cfg.total * per_unit if cfg.total is not None else float(total_steps)
-    milestones = sorted(m * per_unit for m in cfg.milestones)
+    warmup, milestones, total = schedule_steps(cfg, steps_per_epoch, total_steps)
     start = cfg.warmup_start_factor if cfg.warmup_start_factor is not None else 1.0 / world_size
     name = ScheduleName(cfg.name)
     if total <= 0:
         raise ConfigError(f"lr_schedule.total must be positive, got {total} steps")
+    slope = _mlperf_slope(cfg, warmup, base_lr)
 
     def decay(t: float) -> float:
         if name is ScheduleName.warmup_multistep:
@@ -110,10 +114,44 @@ def lr_factor(
     def factor(step: int) -> float:
         # step counts completed optimizer steps; the rate used by step `step` (0-based) is factor(step).
         if step < warmup:
+            if slope is not None:
+                # WarmupMultiStepLR's mlperf_linear: (base_lr - (warmup - t) * warmup_factor) * decay.
+                return (1.0 - (warmup - step) * slope) * decay(float(step))
             return start + (1.0 - start) * step / warmup
         return decay(float(step))
 
     return factor
+
+
+def schedule_steps(
+    cfg: LRScheduleConfig, steps_per_epoch: int, total_steps: int
+) -> tuple[float, list[float], float]:
+    """The schedule's warm-up, milestones and length in optimizer steps (``cfg.unit`` converted)."""
+    per_unit = {
+        ScheduleUnit.epochs: float(steps_per_epoch),
+        ScheduleUnit.steps: 1.0,
+        ScheduleUnit.fraction: float(total_steps),
+    }[ScheduleUnit(cfg.unit)]
+    total = cfg.total * per_unit if cfg.total is not None else float(total_steps)
+    return cfg.warmup * per_unit, sorted(m * per_unit for m in cfg.milestones), total
+
+
+def _mlperf_slope(cfg: LRScheduleConfig, warmup: float, base_lr: float | None) -> float | None:
+    """``warmup_factor / base_lr`` for an ``mlperf_linear`` warm-up (the multiplier's slope), else None."""
+    if WarmupMethod(cfg.warmup_method) is not WarmupMethod.mlperf_linear:
+        return None
+    if base_lr is None or base_lr <= 0:
+        raise ConfigError(
+            "lr_schedule.warmup_method=mlperf_linear needs a positive base LR (optimizer.lr), "
+            f"got {base_lr}"
+        )
+    if cfg.warmup_factor <= 0 or warmup * cfg.warmup_factor > base_lr * (1 + 1e-9):
+        raise ConfigError(
+            f"lr_schedule.warmup_factor={cfg.warmup_factor} with warmup_method=mlperf_linear must be in "
+            f"(0, LR / warm-up steps] = (0, {base_lr / max(warmup, 1.0):.6g}]: the rate starts at "
+            f"LR - {warmup:g} x warmup_factor and must not be negative"
+        )
+    return cfg.warmup_factor / base_lr
 
 
 def build_lr_scheduler(

@@ -9,8 +9,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from kfac_bench.metrics import summary
-from kfac_bench.train import distributed
+from kfac_bench.train import distributed, warm_start
 from kfac_bench.train.build import build_run
+from kfac_bench.train.checkpoint import CHECKPOINT_DIR
 from kfac_bench.train.loop import run_loop
 from kfac_bench.train.signals import EXIT_REQUEUE
 
@@ -33,10 +34,17 @@ def train(cfg: DictConfig, run_dir: Path) -> int:
 
 
 def _train(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv, device: torch.device) -> int:
+    init_from = cfg.train.init_from
+    if init_from is not None and not (run_dir / CHECKPOINT_DIR).is_dir():
+        warm_start.locate(init_from)  # a wrong path stops the run before anything is built
     run = build_run(cfg, run_dir, env, device)
     loop, state = run.loop, run.loop.state
 
     resumed = run.checkpoints.load() if cfg.train.resume else False
+    if not resumed and init_from is not None:
+        started = warm_start.start_from(init_from, loop.module, loop.optimizer, loop.precond)
+        if env.is_main:
+            print(started, flush=True)
     if env.is_main:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         print(

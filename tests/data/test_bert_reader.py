@@ -168,3 +168,47 @@ def test_clear_errors(tmp_path: Path, hand_shards: Path) -> None:
     (bad / "x.hdf5").write_bytes(b"not hdf5")
     with pytest.raises(DatasetError, match="readable HDF5"):
         BertPretrainingDataset(bad)
+
+
+def _first_ids(dataset: BertPretrainingDataset) -> list[int]:
+    return [int(dataset[i]["input_ids"][0]) for i in range(len(dataset))]
+
+
+def test_nvidia_folder_as_its_scripts_leave_it(tmp_path: Path) -> None:
+    # NVIDIA's bertPrep.py --action create_hdf5_files writes <dataset>_training_N.hdf5 and
+    # <dataset>_test_N.hdf5 into one folder; run_pretraining.py trains on the "training" files only.
+    nvidia = tmp_path / "hdf5_lower_case_1_seq_len_128_max_pred_20" / "wikicorpus_en"
+    nvidia.mkdir(parents=True)
+    write_nvidia_shard(nvidia / "wikicorpus_en_training_0.hdf5", first_id=0, n=3)
+    write_nvidia_shard(nvidia / "wikicorpus_en_training_1.hdf5", first_id=100, n=4)
+    write_nvidia_shard(nvidia / "wikicorpus_en_test_0.hdf5", first_id=5000, n=2)
+    write_nvidia_shard(nvidia / "wikicorpus_en_test_1.hdf5", first_id=6000, n=1)
+    splits = build_bert_pretraining(str(nvidia))
+    # No test row leaks into training.
+    assert _first_ids(splits.train) == [0, 1, 2, 100, 101, 102, 103]
+    assert _first_ids(splits.val) == [5000, 5001, 6000]
+    assert {p.name for p in splits.val.files} == {
+        "wikicorpus_en_test_0.hdf5",
+        "wikicorpus_en_test_1.hdf5",
+    }
+    # heldout_root stays an override: the folder's "training" files still train, the given one is held out.
+    other = tmp_path / "other"
+    other.mkdir()
+    write_nvidia_shard(other / "eval.hdf5", first_id=9000, n=2)
+    splits = build_bert_pretraining(str(nvidia), heldout_root=str(other))
+    assert _first_ids(splits.train) == [0, 1, 2, 100, 101, 102, 103]
+    assert _first_ids(splits.val) == [9000, 9001]
+
+
+def test_nvidia_folder_errors(tmp_path: Path) -> None:
+    write_nvidia_shard(tmp_path / "wiki_training_0.hdf5", first_id=0, n=2)
+    with pytest.raises(
+        DatasetError, match=r"_test_N\.hdf5 next to the training shards.*heldout_root"
+    ):
+        build_bert_pretraining(str(tmp_path))
+    write_nvidia_shard(tmp_path / "wiki_test_0.hdf5", first_id=50, n=2)
+    write_nvidia_shard(tmp_path / "stray.hdf5", first_id=90, n=2)
+    with pytest.raises(DatasetError, match=r"stray\.hdf5.*named like NVIDIA's"):
+        build_bert_pretraining(str(tmp_path))
+    (tmp_path / "stray.hdf5").unlink()
+    assert len(build_bert_pretraining(str(tmp_path)).val) == 2

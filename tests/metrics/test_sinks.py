@@ -1,13 +1,13 @@
-"""The sinks write what existing tools read: TensorBoard event files, MLPerf ``:::MLLOG`` lines."""
+"""The sinks write what existing tools read: TensorBoard event files, JSON lines (MLPerf's log:
+tests/metrics/test_mlperf.py)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from kfac_bench.metrics.sinks import JsonlSink, MLPerfSink, TensorBoardSink, read_jsonl
+from kfac_bench.metrics.sinks import JsonlSink, TensorBoardSink, read_jsonl
 from kfac_bench.metrics.tracker import TargetTracker
 from kfac_bench.train.run import train
 from tests.harness.util import tiny_cfg
@@ -26,29 +26,6 @@ def test_tensorboard_scalars_of_a_run_read_back(tmp_path: Path) -> None:
     } <= tags
     assert [e.step for e in acc.Scalars("eval/top1")] == [6, 12]
     assert [e.step for e in acc.Scalars("train/loss")] == [2, 4, 6, 8, 10, 12]
-
-
-def test_mlperf_events_parse(tmp_path: Path) -> None:
-    sink = MLPerfSink(tmp_path / "mlperf.log", "digits")
-    sink.run_start(global_batch_size=64, resumed=False)
-    sink.eval("top1", 0.5, epoch=1.0, samples=100)
-    sink.run_stop("success")
-    sink.close()
-    events = [
-        json.loads(line.split(":::MLLOG ", 1)[1])
-        for line in (tmp_path / "mlperf.log").read_text().splitlines()
-    ]
-    assert [e["key"] for e in events] == [
-        "submission_benchmark",
-        "global_batch_size",
-        "run_start",
-        "eval_accuracy",
-        "run_stop",
-    ]
-    assert events[3]["value"] == 0.5 and events[3]["metadata"]["epoch_num"] == 1.0
-    assert (
-        events[2]["event_type"] == "INTERVAL_START" and events[4]["metadata"]["status"] == "success"
-    )
 
 
 def test_jsonl_appends_and_tensorboard_sink(tmp_path: Path) -> None:

@@ -15,13 +15,13 @@ from torchvision.ops.misc import FrozenBatchNorm2d
 from kfac_bench.errors import ConfigError
 from kfac_bench.models.maskrcnn import (
     MASKRCNN_SKIP_LAYERS,
-    MASKRCNN_SKIP_LAYERS_REFERENCE_CODE,
+    MASKRCNN_SKIP_LAYERS_WITH_BOX_HEAD,
     build_maskrcnn,
 )
 
+BOX_HEAD_FCS = {"roi_heads.box_head.fc6", "roi_heads.box_head.fc7"}
+# The authors' placement (their fork's tools/train_net.py skips FPN2MLPFeatureExtractor = fc6/fc7).
 HEAD_LAYERS = {
-    "roi_heads.box_head.fc6",
-    "roi_heads.box_head.fc7",
     "roi_heads.box_predictor.cls_score",
     "roi_heads.box_predictor.bbox_pred",
     "roi_heads.mask_head.0.0",
@@ -49,7 +49,7 @@ def model() -> MaskRCNN:
     return build_maskrcnn(num_classes=5, min_size=64, max_size=96)
 
 
-def test_skip_layers_keep_exactly_the_box_and_mask_heads(model: MaskRCNN) -> None:
+def test_skip_layers_keep_exactly_the_box_predictor_and_mask_head(model: MaskRCNN) -> None:
     assert engine_selection(model, MASKRCNN_SKIP_LAYERS) == HEAD_LAYERS
     # The transposed convolution of the mask predictor is not a Conv2d, so SGD alone trains it.
     assert isinstance(model.roi_heads.mask_predictor.conv5_mask, nn.ConvTranspose2d)
@@ -60,9 +60,9 @@ def test_skip_layers_keep_exactly_the_box_and_mask_heads(model: MaskRCNN) -> Non
     assert engine_selection(wrapped, MASKRCNN_SKIP_LAYERS) == {f"module.{n}" for n in HEAD_LAYERS}
 
 
-def test_reference_code_placement_also_skips_box_head_fcs(model: MaskRCNN) -> None:
-    kept = engine_selection(model, MASKRCNN_SKIP_LAYERS_REFERENCE_CODE)
-    assert kept == HEAD_LAYERS - {"roi_heads.box_head.fc6", "roi_heads.box_head.fc7"}
+def test_box_head_override_adds_fc6_and_fc7(model: MaskRCNN) -> None:
+    kept = engine_selection(model, MASKRCNN_SKIP_LAYERS_WITH_BOX_HEAD)
+    assert kept == HEAD_LAYERS | BOX_HEAD_FCS
 
 
 def test_backbone_batch_norm_is_frozen_and_early_stages_fixed(model: MaskRCNN) -> None:

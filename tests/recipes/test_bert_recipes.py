@@ -30,7 +30,10 @@ from kfac_bench.models.bert import BERT_KFAC_SKIP_LAYERS, build_bert, load_model
 from kfac_bench.train.build import build_data, instantiate
 from kfac_bench.train.kfac_adapter import build_preconditioner
 from kfac_bench.train.optim import lr_factor
+from kfac_bench.train.warm_start import locate
 from tests.harness.util import run_cli
+from tests.metrics.mlperf_checker import check as mlperf_check
+from tests.metrics.mlperf_checker import events
 
 # TPDS §6.3.3: (sequence length, predictions per sequence, steps, global batch, LR, warm-up).
 PHASES = {
@@ -159,6 +162,7 @@ def smoke_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     runs["phase2"] = root / "phase2"
+    (root / "phase2" / "stdout.txt").write_text(result.stdout)
     runs["shards128"], runs["shards512"] = root / "shards128", root / "shards512"
     return runs
 
@@ -191,6 +195,23 @@ def test_phase1_smoke_trains_on_real_shards(smoke_runs: dict[str, Path], arm: st
     # The reader fed the run from real NVIDIA-layout shards of the phase's sequence length.
     data = BertPretrainingDataset(smoke_runs["shards128"], shard_by_rank=False)
     assert data.max_seq_length == 128 and data.max_predictions_per_seq == 20 and len(data) > 128
+    # MLPerf's BERT log: the compliance checker passes; one run_stop (success): right after the first
+    # evaluation that meets the target, at the summary's time to target (without a target: at the end).
+    passed, report = mlperf_check(smoke_runs[arm] / "mlperf.log")
+    assert passed, report
+    log = events(smoke_runs[arm] / "mlperf.log")
+    keys = [e["key"] for e in log]
+    start, stop = log[keys.index("run_start")], log[-1]
+    assert keys.count("run_stop") == 1 and stop["metadata"]["status"] == "success"
+    seconds = (stop["time_ms"] - start["time_ms"]) / 1000
+    if summary["targets"]:
+        reached = [e for e in evals if e["step"] <= summary["steps_to_target"]]
+        assert keys[-3:] == ["eval_accuracy", "eval_stop", "run_stop"]
+        assert keys.count("eval_accuracy") == len(reached)
+        assert seconds == pytest.approx(summary["time_to_target_s"], abs=1.5e-3)
+    else:
+        assert keys.count("eval_accuracy") == len(evals)
+        assert seconds == pytest.approx(summary["wall_time_s"], abs=0.05)
 
 
 def test_both_arms_see_the_same_data_and_differ_only_by_kfac(smoke_runs: dict[str, Path]) -> None:
@@ -228,7 +249,14 @@ def test_phase2_starts_from_the_phase1_checkpoint(smoke_runs: dict[str, Path]) -
     assert summary["status"] == "success" and summary["kfac_enabled"]
     cfg = summary["config"]
     assert cfg["model"]["init_checkpoint"].endswith("checkpoints/last.pt")
+    # train.init_from follows it: the whole checkpoint, not only the weights, starts phase 2.
+    assert cfg["train"]["init_from"] == cfg["model"]["init_checkpoint"]
     assert cfg["dataset"]["max_seq_length"] == 512
+    # Table 4(a): LAMB phase 1, K-FAC phase 2: the model and LAMB's moments carried, factors from identity.
+    out = (smoke_runs["phase2"] / "stdout.txt").read_text()
+    assert (
+        "started from" in out and "model, optimizer state, K-FAC factors from the identity" in out
+    )
     phase1 = load_model_state(smoke_runs["lamb"] / "checkpoints" / "last.pt")
     phase2 = load_model_state(smoke_runs["phase2"] / "checkpoints" / "last.pt")
     # Phase 2 runs with another seed, so without the checkpoint it would start from another random init.
@@ -248,6 +276,8 @@ def test_phase2_starts_from_the_phase1_checkpoint(smoke_runs: dict[str, Path]) -
     assert dist(phase2, phase1) < 0.15 * norm and dist(fresh, phase1) > 0.7 * norm
     with h5py.File(next(smoke_runs["shards512"].glob("*.hdf5")), "r") as f:
         assert f["input_ids"].shape[1] == 512 and f["masked_lm_positions"].shape[1] == 80
+    passed, report = mlperf_check(smoke_runs["phase2"] / "mlperf.log")
+    assert passed, report
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -279,9 +309,20 @@ def test_prepare_bert_subcommand_writes_shards_the_recipes_read(
     assert len(err) == 1 and "invalid int value: 'many'" in err[0]
 
 
-def test_phase2_refuses_to_start_without_the_phase1_checkpoint() -> None:
+def test_phase2_refuses_to_start_without_the_phase1_checkpoint(tmp_path: Path) -> None:
     for arm in (True, False):
         cfg = compose_run([f"+recipe={_recipe(2, arm)}", "model.preset=tiny"])
         with pytest.raises(ConfigError, match=r"init_checkpoint 'PHASE1_RUN_DIR/.*phase-1 run"):
             instantiate(cfg.model)
-        assert compose_run([f"+recipe={_recipe(1, arm)}"]).model.init_checkpoint is None
+        assert cfg.train.init_from == cfg.model.init_checkpoint
+        with pytest.raises(ConfigError, match=r"init_from 'PHASE1_RUN_DIR/.*phase-1 run"):
+            locate(cfg.train.init_from)
+        phase1 = compose_run([f"+recipe={_recipe(1, arm)}"])
+        assert phase1.model.init_checkpoint is None and phase1.train.init_from is None
+    # Through the CLI: one line, status 2, before the model or the data is built.
+    done = run_cli(
+        "train", f"+recipe={_recipe(2, True)}", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path
+    )
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1, done.stderr[-2000:]
+    assert "PHASE1_RUN_DIR" in err[0]

@@ -8,6 +8,7 @@ from the YAML.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 from pathlib import Path
@@ -21,27 +22,29 @@ from kfac_bench.config.compose import compose_run
 from kfac_bench.config.store import recipe_names
 from kfac_bench.data.batching import accumulation_steps
 from kfac_bench.data.coco_fixtures import write_tiny_coco
+from kfac_bench.errors import ConfigError
 from kfac_bench.metrics.tracker import TargetTracker
 from kfac_bench.models.maskrcnn import build_maskrcnn
 from kfac_bench.train.build import build_data, instantiate
 from kfac_bench.train.kfac_adapter import build_preconditioner
-from kfac_bench.train.optim import lr_factor
+from kfac_bench.train.optim import build_lr_scheduler, lr_factor
 from tests.harness.util import run_cli
+from tests.metrics.mlperf_checker import check as mlperf_check
+from tests.metrics.mlperf_checker import events
 
 # KAISA Table 2 (the KAISA runs, 32 V100): global batch, LR, warm-up iterations, K_freq, F_freq.
 BATCH, LR, WARMUP, K_FREQ, F_FREQ = 64, 0.08, 800, 500, 50
 PAPER_GPUS = 32
+# NVIDIA DeepLearningExamples PyTorch/Segmentation/MaskRCNN configs/e2e_mask_rcnn_R_50_FPN_1x_bs64.yaml:
+# WARMUP_METHOD mlperf_linear, WARMUP_FACTOR, STEPS, MAX_ITER (GAMMA 0.1 from config/defaults.py).
+WARMUP_FACTOR, STEPS, MAX_ITER, GAMMA = 1e-4, (18000, 24000), 27500, 0.1
 # The 64-GPU config of the authors' K-FAC fork of NVIDIA DeepLearningExamples
-# PyTorch/Segmentation/MaskRCNN: batch, LR, warm-up, decay steps, iterations.
-BATCH_64, LR_64, WARMUP_64, STEPS_64, MAX_ITER_64 = 128, 0.16, 800, (7000, 11000), 12000
+# PyTorch/Segmentation/MaskRCNN: batch, LR, warm-up iterations and (linear) factor, decay steps, iterations.
+BATCH_64, LR_64, WARMUP_64, FACTOR_64 = 128, 0.16, 800, 0.01
+STEPS_64, MAX_ITER_64 = (7000, 11000), 12000
 TARGETS = {"bbox_map": 0.377, "segm_map": 0.342}
 MLPERF_SEGM = 0.339
-BOX_HEAD = {
-    "roi_heads.box_head.fc6",
-    "roi_heads.box_head.fc7",
-    "roi_heads.box_predictor.cls_score",
-    "roi_heads.box_predictor.bbox_pred",
-}
+BOX_PREDICTOR = {"roi_heads.box_predictor.cls_score", "roi_heads.box_predictor.bbox_pred"}
 BOX_HEAD_FCS = {"roi_heads.box_head.fc6", "roi_heads.box_head.fc7"}
 MASK_HEAD = {f"roi_heads.mask_head.{i}.0" for i in range(4)} | {
     "roi_heads.mask_predictor.mask_fcn_logits"
@@ -75,9 +78,11 @@ def test_paper_values_of_both_arms() -> None:
         assert not o.scale_lr_with_world_size
         s = cfg.lr_schedule
         assert str(s.name.value) == "warmup_multistep" and str(s.unit.value) == "steps"
-        assert s.warmup == WARMUP and s.gamma == pytest.approx(0.1)
-        # The batch-64 milestones are the 64-GPU config's scaled by 128/64 (not printed in the paper).
-        assert list(s.milestones) == [m * BATCH_64 // BATCH for m in STEPS_64]
+        assert s.warmup == WARMUP and s.gamma == pytest.approx(GAMMA)
+        assert str(s.warmup_method.value) == "mlperf_linear" and s.warmup_factor == WARMUP_FACTOR
+        assert tuple(s.milestones) == STEPS and t.max_steps == MAX_ITER
+        # The step budget ends the run (COCO 2017: 1848 iterations per epoch).
+        assert t.epochs * 1848 > MAX_ITER
     k = kfac.kfac
     assert k.enabled and not sgd.kfac.enabled
     assert str(k.compute_method.value) == "eigen" and str(k.factor_scaling.value) == "kaisa"
@@ -91,31 +96,61 @@ def test_paper_values_of_both_arms() -> None:
     assert a == b
 
 
+def _warmup_multistep_lr(t: int, base: float, method: str, factor: float, warmup: int,
+                        steps: tuple[int, ...]) -> float:  # fmt: skip
+    """maskrcnn_benchmark/solver/lr_scheduler.py WarmupMultiStepLR.get_lr() at last_epoch = t, restated."""
+    decay = GAMMA ** bisect.bisect_right(list(steps), t)
+    if t < warmup and method == "mlperf_linear":
+        return (base - (warmup - t) * factor) * decay
+    if t < warmup and method == "linear":
+        alpha = t / warmup
+        return base * (factor * (1 - alpha) + alpha) * decay
+    return base * decay
+
+
+@pytest.mark.parametrize("name", ARMS)
+def test_lr_curve_is_nvidias_warmup_multistep_at_every_boundary(name: str) -> None:
+    cfg = compose_run([f"+recipe={name}"])
+    lr = cfg.optimizer.lr
+    f = lr_factor(cfg.lr_schedule, steps_per_epoch=1848, total_steps=MAX_ITER, base_lr=lr)
+    # The authors' fork steps the scheduler after optimizer.step(): iteration t (from 0) uses last_epoch = t.
+    for t in (0, 1, 2, 399, 400, 798, 799, 800, 801, 17999, 18000, 18001, 23999, 24000, 27499):
+        expected = _warmup_multistep_lr(t, LR, "mlperf_linear", WARMUP_FACTOR, WARMUP, STEPS)
+        assert lr * f(t) == pytest.approx(expected, rel=1e-12, abs=1e-15), t
+    # 0.08 - 800 x 1e-4: the first iteration runs at LR 0.
+    assert lr * f(0) == pytest.approx(0.0, abs=1e-15)
+    assert lr * f(400) == pytest.approx(0.04) and lr * f(799) == pytest.approx(0.0799)
+    # The run's own scheduler (a LambdaLR over this factor, stepped after each optimizer step) agrees.
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = build_lr_scheduler(opt, f)
+    seen = []
+    for _ in range(802):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([lr * f(t) for t in range(802)], abs=1e-15)
+
+
+def test_mlperf_linear_warmup_must_not_start_below_zero() -> None:
+    cfg = compose_run(["+recipe=maskrcnn_coco", "optimizer.lr=0.04"])
+    with pytest.raises(ConfigError, match="warmup_factor"):
+        lr_factor(cfg.lr_schedule, steps_per_epoch=1848, total_steps=MAX_ITER, base_lr=0.04)
+
+
 def test_documented_64_gpu_scaling_gives_the_authors_schedule() -> None:
     text = (recipes_dir() / "maskrcnn_coco.yaml").read_text()
     override = (
         "train.global_batch_size=128 optimizer.lr=0.16 'lr_schedule.milestones=[7000,11000]'"
-        " train.max_steps=12000"
+        " train.max_steps=12000 lr_schedule.warmup_method=linear lr_schedule.warmup_start_factor=0.01"
     )
     assert " ".join(text.replace("\\\n#  ", " ").split()).count(" ".join(override.split())) == 1
-    cfg = compose_run(
-        [
-            "+recipe=maskrcnn_coco",
-            "train.global_batch_size=128",
-            "optimizer.lr=0.16",
-            "lr_schedule.milestones=[7000,11000]",
-            "train.max_steps=12000",
-        ]
-    )
+    cfg = compose_run(["+recipe=maskrcnn_coco", *override.replace("'", "").split()])
     assert cfg.train.global_batch_size == BATCH_64 and cfg.train.max_steps == MAX_ITER_64
-    factor = lr_factor(cfg.lr_schedule, steps_per_epoch=1000, total_steps=MAX_ITER_64)
     lr = cfg.optimizer.lr
-    assert lr * factor(0) == pytest.approx(LR_64 / 3)  # maskrcnn-benchmark's warm-up factor 1/3
-    assert lr * factor(WARMUP_64 // 2) == pytest.approx(LR_64 * (1 / 3 + 2 / 3 / 2))
-    assert lr * factor(WARMUP_64) == pytest.approx(LR_64)
-    assert lr * factor(STEPS_64[0] - 1) == pytest.approx(LR_64)
-    assert lr * factor(STEPS_64[0]) == pytest.approx(LR_64 * 0.1)
-    assert lr * factor(STEPS_64[1]) == pytest.approx(LR_64 * 0.01)
+    factor = lr_factor(cfg.lr_schedule, steps_per_epoch=1000, total_steps=MAX_ITER_64, base_lr=lr)
+    for t in (0, 1, WARMUP_64 // 2, WARMUP_64 - 1, WARMUP_64, 6999, 7000, 10999, 11000, 11999):
+        expected = _warmup_multistep_lr(t, LR_64, "linear", FACTOR_64, WARMUP_64, STEPS_64)
+        assert lr * factor(t) == pytest.approx(expected), t
 
 
 def test_mlperf_segm_target_is_a_config_value() -> None:
@@ -137,17 +172,27 @@ def test_stop_at_target_needs_both_targets() -> None:
 
 
 @pytest.mark.parametrize(
-    ("recipe", "expected"),
+    ("recipe", "overrides", "expected"),
     [
-        ("maskrcnn_coco", BOX_HEAD | MASK_HEAD),
-        # The smoke twin uses the reference code's placement: fc6/fc7 skipped (fc6's A is 12545 x 12545).
-        ("maskrcnn_coco_smoke", MASK_HEAD | (BOX_HEAD - BOX_HEAD_FCS)),
+        # The authors' placement: box predictor + mask head, fc6/fc7 skipped (their fork's
+        # tools/train_net.py skips FPN2MLPFeatureExtractor; fc6's A factor is 12545 x 12545).
+        ("maskrcnn_coco", [], BOX_PREDICTOR | MASK_HEAD),
+        ("maskrcnn_coco_smoke", [], BOX_PREDICTOR | MASK_HEAD),
+        # The documented override that preconditions fc6/fc7 as well.
+        (
+            "maskrcnn_coco",
+            [r"kfac.skip_layers=['(?:^|\.)backbone\.','(?:^|\.)rpn\.']"],
+            BOX_PREDICTOR | MASK_HEAD | BOX_HEAD_FCS,
+        ),
     ],
 )
-def test_kfac_preconditions_exactly_the_heads(
-    recipe: str, expected: set[str], caplog: pytest.LogCaptureFixture
+def test_kfac_preconditions_exactly_the_heads_without_a_coverage_warning(
+    recipe: str, overrides: list[str], expected: set[str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    cfg = compose_run([f"+recipe={recipe}"])
+    # The form the recipe's comment gives (in double quotes for the shell).
+    for override in overrides:
+        assert f'"{override}"' in (recipes_dir() / f"{recipe}.yaml").read_text()
+    cfg = compose_run([f"+recipe={recipe}", *overrides])
     # Layer shapes do not depend on the image size; a small one keeps the build cheap.
     model = build_maskrcnn(num_classes=cfg.model.num_classes, min_size=64, max_size=96)
     with caplog.at_level(logging.INFO):
@@ -157,6 +202,13 @@ def test_kfac_preconditions_exactly_the_heads(
     assert set(precond.layers) == expected
     # The transposed convolution is not supported: plain gradient, listed once in the log.
     assert caplog.text.count("roi_heads.mask_predictor.conv5_mask") == 1
+    # Heads-only is the intended placement (TPDS §6.3.2): below the engine's default threshold, yet no
+    # warning, because the recipe sets its threshold under it; the default one would warn.
+    coverage = precond.coverage()
+    assert coverage.eligible_share < 0.5 and not coverage.below_threshold
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    if not overrides:
+        assert coverage.eligible_share < 0.1  # fc6/fc7 hold most of the heads' parameters
 
 
 def _summary(run_dir: Path) -> dict:
@@ -196,6 +248,14 @@ def test_kfac_smoke_twin_trains_and_runs_cocoeval(tmp_path: Path) -> None:
     assert stages["factor"] > 0 and stages["decomposition"] > 0 and stages["precondition"] > 0
     lines = (run_dir / "eval.jsonl").read_text().splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["epoch"] == 1.0
+    # mlperf.log: both target metrics under MLPerf's names, aborted (targets not met), checker passes.
+    log = events(run_dir / "mlperf.log")
+    (accuracy,) = [e for e in log if e["key"] == "eval_accuracy"]
+    final = summary["final_metrics"]
+    assert accuracy["value"] == {"BBOX": final["bbox_map"], "SEGM": final["segm_map"]}
+    assert [e["metadata"]["status"] for e in log if e["key"] == "run_stop"] == ["aborted"]
+    passed, report = mlperf_check(run_dir / "mlperf.log")
+    assert passed, report
 
 
 def test_sgd_smoke_twin_stops_at_the_first_evaluation_meeting_both_targets(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from kfac_bench.train.kfac_adapter import kfac_kwargs
 from kfac_bench.train.optim import build_optimizer, lr_factor
 from kfac_bench.train.run import train
 from tests.harness.util import run_cli
+from tests.metrics.mlperf_checker import check as mlperf_check
 
 CIFAR_ARMS = ("resnet32_cifar10", "resnet32_cifar10_sgd")
 IMAGENET_ARMS = ("resnet50_imagenet", "resnet50_imagenet_sgd")
@@ -218,6 +219,9 @@ def test_kfac_smoke_twin_trains_through_the_cli(recipe: str, tmp_path: Path) -> 
     assert stages["factor"] > 0 and stages["decomposition"] > 0 and stages["precondition"] > 0
     records = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert len(records) == (2 if "cifar" in recipe else 1)
+    if "resnet50" in recipe:  # MLPerf's ResNet-50: the log passes the compliance checker
+        passed, report = mlperf_check(run_dir / "mlperf.log")
+        assert passed, report
 
 
 @pytest.mark.parametrize(
@@ -244,6 +248,9 @@ def test_sgd_smoke_twin_writes_its_data_on_first_use_and_trains(
     s = _summary(tmp_path / "run")
     assert s["kfac_enabled"] is False and s["steps"] == steps
     assert s["status"] == "target_not_reached"
+    if "resnet50" in recipe:
+        passed, report = mlperf_check(tmp_path / "run" / "mlperf.log")
+        assert passed, report
 
 
 def test_cifar10_synthetic_runs_without_data(tmp_path: Path) -> None:

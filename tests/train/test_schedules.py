@@ -60,6 +60,26 @@ def test_cosine_and_steps_unit() -> None:
     assert g(4) == 1.0 and g(5) == pytest.approx(0.1)
 
 
+def test_mlperf_linear_warmup_is_an_absolute_slope() -> None:
+    # maskrcnn_benchmark's WarmupMultiStepLR, mlperf_linear: lr(t) = (lr - (W - t) * factor) * gamma^k,
+    # here lr 0.5, W 10 steps, factor 0.02, a milestone inside the warm-up (at 5) and one after (at 20).
+    cfg = sched(
+        unit="steps",
+        warmup=10,
+        warmup_method="mlperf_linear",
+        warmup_factor=0.02,
+        milestones=[5, 20],
+    )
+    f = lr_factor(cfg, steps_per_epoch=100, total_steps=100, base_lr=0.5)
+    expected = [(0.5 - (10 - t) * 0.02) * (0.1 if t >= 5 else 1.0) for t in range(10)]
+    assert [0.5 * f(t) for t in range(10)] == pytest.approx(expected)
+    assert 0.5 * f(10) == pytest.approx(0.05) and 0.5 * f(20) == pytest.approx(0.005)
+    with pytest.raises(ConfigError, match="must not be negative"):
+        lr_factor(cfg, steps_per_epoch=100, total_steps=100, base_lr=0.1)  # 0.1 - 10 x 0.02 < 0
+    with pytest.raises(ConfigError, match="positive base LR"):
+        lr_factor(cfg, steps_per_epoch=100, total_steps=100)
+
+
 def test_damping_decay_does_not_compound() -> None:
     damping = epoch_step_decay(0.003, [2, 4], 0.5, steps_per_epoch=10)
     assert [damping(s) for s in (0, 19, 20, 39, 40, 400)] == pytest.approx(

@@ -23,9 +23,9 @@ class BertModelConfig:
 
 @dataclass
 class BertShardsConfig:
-    """:func:`kfac_bench.data.bert.build_bert_pretraining`: NVIDIA-format HDF5 shards in ``root`` (made by
-    ``kfac-bench prepare-bert`` or NVIDIA's scripts); held-out shards in ``heldout_root`` (default
-    ``root/heldout``)."""
+    """:func:`kfac_bench.data.bert.build_bert_pretraining`: NVIDIA-format HDF5 shards in ``root``, NVIDIA's
+    folder as its scripts leave it (``*_training_N.hdf5`` train, ``*_test_N.hdf5`` held out) or
+    ``kfac-bench prepare-bert``'s (held out: ``root/heldout``); ``heldout_root`` holds out another folder."""
 
     _target_: str = "kfac_bench.data.bert.build_bert_pretraining"
     root: str = "data/bert/phase1"
