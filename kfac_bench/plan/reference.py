@@ -13,9 +13,9 @@ KAISA §5.5 Table 5 measures the K-FAC memory overhead per GPU at 64 V100s for t
 * on every rank, the preconditioned gradient of every layer, FP32 (``self.preconditioned_gradient``: computed
   by the gradient workers, a receive buffer on the others, kept between steps).
 
-Its layer set is the reference code's: the Mask R-CNN fork also skipped the box head's fc6/fc7
-(``MASKRCNN_SKIP_LAYERS_REFERENCE_CODE``), and gpauloski/BERT-PyTorch's ``run_pretraining.py`` skipped only
-``BertLMPredictionHead`` and the embeddings (a skipped module's children too), so the pooler and the NSP
+Its layer set is the reference code's: the Mask R-CNN fork skipped the box head's fc6/fc7
+(``MASKRCNN_SKIP_LAYERS``, which the recipes follow too), and gpauloski/BERT-PyTorch's
+``run_pretraining.py`` skipped only ``BertLMPredictionHead`` and the embeddings (a skipped module's children too), so the pooler and the NSP
 classifier were preconditioned. Placement is LPT with factors colocated (the outer product requires it).
 """
 
@@ -29,7 +29,7 @@ import torch
 from kfac_bench.kfac import LayerSpec, scan_model
 from kfac_bench.kfac.assignment import LayerShape, assign
 from kfac_bench.kfac.options import FactorReduction, Placement
-from kfac_bench.models.maskrcnn import MASKRCNN_SKIP_LAYERS_REFERENCE_CODE
+from kfac_bench.models.maskrcnn import MASKRCNN_SKIP_LAYERS
 
 from .costs import Scenario, rank_loads
 from .recipe import PlannedModel
@@ -72,7 +72,7 @@ TABLE5: dict[str, Table5Row] = {
 
 #: The reference code's skip rules where they differ from the recipe's (module docstring).
 REFERENCE_SKIP: dict[str, tuple[str, ...]] = {
-    "maskrcnn": MASKRCNN_SKIP_LAYERS_REFERENCE_CODE,
+    "maskrcnn": MASKRCNN_SKIP_LAYERS,
     "bert_large": (r"embeddings", r"(^|\.)cls\.predictions\."),
 }
 
