@@ -22,6 +22,10 @@ class Task(Protocol):
         target_metric: key of the metric in ``evaluate``'s result that the run's target refers to
             (e.g. ``"top1"``, ``"bbox_map"``, ``"mlm_accuracy"``).
         higher_is_better: direction of ``target_metric``.
+
+    A task may also say which metrics ``evaluate`` returns, as ``metric_names`` (a tuple of keys): a
+    target on any other metric is then refused before the run starts
+    (:func:`kfac_bench.train.preflight.check_targets`).
     """
 
     target_metric: str
