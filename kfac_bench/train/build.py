@@ -182,6 +182,7 @@ def build_run(cfg: DictConfig, run_dir: Path, env: DistEnv, device: torch.device
             "rng": RNGState(env.rank, env.world_size),  # last: restored after everything else
         },
         is_main=env.is_main,
+        keep=t.keep_checkpoints,
     )
     recorder = Recorder(
         run_dir,
