@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,7 +101,7 @@ def check_value(key: str, value: Any, bounds: Bounds) -> None:
 
 
 def _section_schemas(
-    cfg: Any, by_target: dict[str, type], groups: dict[str, type]
+    cfg: Any, by_target: dict[str, type], groups: Mapping[str, Any]
 ) -> Iterator[tuple[str, type]]:
     for name in cfg:
         section = cfg.get(name)
@@ -111,7 +111,7 @@ def _section_schemas(
             yield name, by_target[section.get("_target_")]
 
 
-def check_bounds(cfg: Any, groups: dict[str, type], builders: list[type]) -> None:
+def check_bounds(cfg: Any, groups: Mapping[str, Any], builders: list[type]) -> None:
     """Check every bounded field of a composed run config.
 
     Args:

@@ -46,15 +46,16 @@ class PreemptionFlag:
         """Install the handlers; a signal :func:`catch_early` recorded counts as received here."""
         global _early
         self._previous = {}
+        early: PreemptionFlag | None = _early if _early is not self else None
+        before_early = early._previous if early is not None else {}
         for sig in SIGNALS:
             previous = signal.signal(sig, self._handle)
-            early = _early
             if early is not None and getattr(previous, "__self__", None) is early:
-                previous = early._previous.get(sig, signal.SIG_DFL)
+                previous = before_early.get(sig, signal.SIG_DFL)  # what was there before catch_early
             self._previous[sig] = previous
-        if _early is not None and _early is not self:
+        if early is not None:
             if self.signum is None:
-                self.signum = _early.signum
+                self.signum = early.signum
             _early = None
         return self
 

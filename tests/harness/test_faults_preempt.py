@@ -62,7 +62,10 @@ def test_local_sigusr1_checkpoints_exits_75_and_resumes_without_repeating(tmp_pa
 
 
 @pytest.mark.distributed
-def test_torchrun_launcher_forwards_sigusr1_and_exits_75_without_restarting(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["USR1", "TERM"])
+def test_torchrun_launcher_forwards_the_signal_and_exits_75_without_restarting(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
     run_dir = tmp_path / "run"
     proc = start(
         "train",
@@ -76,7 +79,7 @@ def test_torchrun_launcher_forwards_sigusr1_and_exits_75_without_restarting(tmp_
     )
     try:
         wait_for_records(run_dir, 2, proc, timeout=150)
-        proc.send_signal(signal.SIGUSR1)
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=90)
     finally:
         proc.kill()
