@@ -246,8 +246,9 @@ def record_config(run_dir: Path, cfg: DictConfig) -> None:
 
 
 def claim(run_dir: Path, cfg: DictConfig) -> None:
-    """Make ``run_dir`` this run's: take the lock, check the config against the recorded one, record it,
-    and remove a preemption marker of an earlier attempt.
+    """Make ``run_dir`` this run's: take the lock, check the config against the recorded one, remove
+    temporary files a killed writer left, record the config, and remove an earlier attempt's preemption
+    marker.
 
     Raises:
         UserError: the directory is in use, not writable, or records another config (one line).
@@ -255,6 +256,8 @@ def claim(run_dir: Path, cfg: DictConfig) -> None:
     lock(run_dir)
     try:
         check_config(run_dir, cfg)
+        for orphan in Path(run_dir).glob(".*.tmp"):  # left by a writer that was killed mid-write
+            orphan.unlink(missing_ok=True)
         record_config(run_dir, cfg)
         clear_preempted(run_dir)
     except OSError as exc:

@@ -53,6 +53,8 @@ def test_config_drift_is_refused_and_allowed_changes_resume(tmp_path: Path) -> N
         assert key in line
     assert snapshot(tmp_path / "run") == before  # .hydra/, config, logs, checkpoints untouched
 
+    orphan = tmp_path / "run" / ".summary.json.4242.tmp"  # as a writer killed mid-write leaves it
+    orphan.write_text("{")
     more = run(
         "train",
         *TINY,
@@ -64,7 +66,7 @@ def test_config_drift_is_refused_and_allowed_changes_resume(tmp_path: Path) -> N
         cwd=tmp_path,
     )
     assert more.returncode == 0, more.stderr[-3000:]
-    assert "resumed at step 12" in more.stdout
+    assert "resumed at step 12" in more.stdout and not orphan.exists()
     assert eval_steps(tmp_path / "run") == [6, 12, 18] and summary(tmp_path / "run")["steps"] == 18
 
 
