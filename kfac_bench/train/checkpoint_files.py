@@ -131,7 +131,9 @@ def load_newest_good(
         NoGoodCheckpoint: checkpoints exist but none is good.
     """
     found, unreadable = candidates(folder)
-    rejected = [(Candidate(p, None, -1), "unreadable manifest") for p in unreadable]
+    rejected = [
+        (Candidate(p.with_suffix(".pt"), None, -1), "unreadable manifest") for p in unreadable
+    ]
     for candidate in found:
         problem = _problem(candidate)
         if problem is None:

@@ -89,6 +89,8 @@ def test_a_bad_newest_falls_back_with_one_warning(
     # The bad one is set aside (not deleted, never loaded again) and the good one is untouched.
     assert (tmp_path / "step-00000003.pt").is_file()
     assert not (tmp_path / "step-00000006.json").exists()
+    assert (tmp_path / "step-00000006.json.corrupt").exists()
+    assert (tmp_path / "step-00000006.pt.corrupt").exists() or damage == "missing file"
     # The next save continues from the good one and becomes the newest.
     counter.value = 70
     manager.save(7)
