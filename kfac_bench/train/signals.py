@@ -51,7 +51,8 @@ class PreemptionFlag:
         for sig in SIGNALS:
             previous = signal.signal(sig, self._handle)
             if early is not None and getattr(previous, "__self__", None) is early:
-                previous = before_early.get(sig, signal.SIG_DFL)  # what was there before catch_early
+                # What was installed before catch_early (SIG_DFL, or e.g. submitit's handler).
+                previous = before_early.get(sig, signal.SIG_DFL)
             self._previous[sig] = previous
         if early is not None:
             if self.signum is None:
