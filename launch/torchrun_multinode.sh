@@ -6,12 +6,14 @@
 # Environment: NNODES and MASTER_ADDR (the first node; required), MASTER_PORT (29500), GPUS_PER_NODE (8),
 # RUN_ID (rendezvous id and run dir name), RUN_DIR (runs/<RUN_ID>, on a shared filesystem so a restarted job
 # resumes from its checkpoint), MAX_RESTARTS (0), PYTHON (python).
+# kfac_bench.train.agent is torchrun that passes SIGTERM/SIGUSR1 on to the ranks: they checkpoint and stop,
+# and this script exits 75 (run it again to resume).
 set -euo pipefail
 : "${NNODES:?set NNODES to the number of nodes}"
 : "${MASTER_ADDR:?set MASTER_ADDR to the first node}"
 RUN_ID=${RUN_ID:-kfac-bench}
 
-exec "${PYTHON:-python}" -m torch.distributed.run \
+exec "${PYTHON:-python}" -m kfac_bench.train.agent \
   --nnodes="${NNODES}" --nproc-per-node="${GPUS_PER_NODE:-8}" \
   --rdzv-backend=c10d --rdzv-endpoint="${MASTER_ADDR}:${MASTER_PORT:-29500}" --rdzv-id="${RUN_ID}" \
   --max-restarts="${MAX_RESTARTS:-0}" \

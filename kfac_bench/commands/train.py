@@ -1,13 +1,18 @@
 """``kfac-bench train``: validate the command line, then run it as a Hydra application.
 
-The command line is composed once up front (:func:`kfac_bench.config.compose.compose_run`) so config
-mistakes give one line and exit status 2 before Hydra starts; sweeps (``-m``) are checked value by value.
-The Hydra job then either trains in this process (:func:`kfac_bench.train.run.train`) or, with
-``launcher=torchrun``, starts the ranks, each of which runs this command again.
+The command line is composed once up front (:func:`kfac_bench.config.compose.compose_run`) and every value
+checked against its schema's bounds, so config mistakes give one line and exit status 2 before Hydra starts;
+sweeps (``-m``) are checked value by value. An explicit ``hydra.run.dir`` that another run holds, or that
+records another config, is refused before Hydra writes into it. The Hydra job then checks what needs the
+machine (device, the task's metrics), and either trains in this process (:func:`kfac_bench.train.run.train`)
+or, with ``launcher=torchrun``, claims the run directory and starts the ranks, each of which runs this
+command again. In a rank, only rank 0 prints a user error.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,6 +60,8 @@ _MODES = {
     "-sc": "--shell-completion",
 }
 _MAX_SWEEP_CHECKS = 32
+#: Write failures that are the machine's, not the program's: one line and status 2.
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 def help_text() -> str:
@@ -124,33 +131,43 @@ def _split(args: Sequence[str]) -> tuple[list[str], list[str]]:
     return flags, overrides
 
 
-def check_overrides(overrides: Sequence[str], multirun: bool) -> None:
-    """Compose the config for ``overrides`` (each sweep value in turn when ``multirun``).
+def check_overrides(overrides: Sequence[str], multirun: bool) -> Any:
+    """Compose the config for ``overrides`` (each sweep value in turn when ``multirun``) and check every
+    bounded value; returns the composed config (with ``hydra``) of a single run, else None.
 
     Raises:
         ConfigError: one line naming the problem.
     """
-    from kfac_bench.config.compose import compose_run, normalize_overrides
+    from kfac_bench.config.compose import normalize_overrides
 
     if not multirun:
-        compose_run(overrides, return_hydra_config=True)
-        return
+        return _compose_checked(overrides)
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(normalize_overrides(overrides))
     base = [str(o.input_line) if not o.is_sweep_override() else _first(o) for o in parsed]
-    compose_run(base, return_hydra_config=True)
+    _compose_checked(base)
     checks = 0
     for i, o in enumerate(parsed):
         if not o.is_sweep_override():
             continue
         for value in list(o.sweep_string_iterator())[1:]:
             if checks >= _MAX_SWEEP_CHECKS:
-                return
+                return None
             variant = list(base)
             variant[i] = f"{o.get_key_element()}={value}"
-            compose_run(variant, return_hydra_config=True)
+            _compose_checked(variant)
             checks += 1
+    return None
+
+
+def _compose_checked(overrides: Sequence[str]) -> Any:
+    from kfac_bench.config.bounds import validate_run
+    from kfac_bench.config.compose import compose_run
+
+    cfg = compose_run(overrides, return_hydra_config=True)
+    validate_run(cfg)
+    return cfg
 
 
 def _first(override: object) -> str:
@@ -160,15 +177,33 @@ def _first(override: object) -> str:
 
 def main(args: Sequence[str]) -> int:
     """``kfac-bench train ARGS``; returns the exit status (the worst over a sweep's jobs)."""
-    from kfac_bench.config.compose import normalize_overrides
+    from kfac_bench.train.launch import inside_launched_worker
 
     if "--help" in args or "-h" in args:
         print(help_text(), end="")
         return 0
+    worker = inside_launched_worker()
+    if worker:
+        from kfac_bench.train.signals import catch_early
+
+        catch_early()  # a preemption signal during the imports below is kept, not fatal
+    from kfac_bench.config.compose import normalize_overrides
+
     flags, overrides = _split(args)
-    names = _check_flags(flags)
-    if not names & {"--hydra-help", "--info", "-i", "--shell-completion", "-sc", "--version"}:
-        check_overrides(overrides, multirun=bool(names & {"-m", "--multirun"}))
+    try:
+        names = _check_flags(flags)
+        if not names & {"--hydra-help", "--info", "-i", "--shell-completion", "-sc", "--version"}:
+            cfg = check_overrides(overrides, multirun=bool(names & {"-m", "--multirun"}))
+            if cfg is not None and not names & {"--cfg", "-c"}:
+                from kfac_bench.train.preflight import check_run
+
+                check_run(cfg)
+                if not worker:
+                    _check_explicit_run_dir(cfg, overrides)
+    except UserError as exc:
+        if _secondary_rank():
+            return exc.exit_code  # rank 0 says it
+        raise
     return _run_hydra(normalize_overrides(args))
 
 
@@ -207,12 +242,47 @@ def _check_flags(flags: list[str]) -> set[str]:
     return set(names)
 
 
+def _secondary_rank() -> bool:
+    from kfac_bench.train.distributed import detect
+
+    return detect().rank != 0
+
+
+def _check_explicit_run_dir(cfg: Any, overrides: Sequence[str]) -> None:
+    """A ``hydra.run.dir`` given on the command line must be writable, free, and (if it holds a run)
+    record this config: checked before Hydra writes its ``.hydra/`` files there (the job takes the lock
+    itself)."""
+    from kfac_bench.train import rundir
+
+    if not any(o.startswith("hydra.run.dir=") for o in overrides):
+        return
+    run_dir = Path(str(cfg.hydra.run.dir)).resolve()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(
+            f"cannot create run dir {run_dir}: {exc.strerror or exc}; choose a writable hydra.run.dir"
+        ) from None
+    if not os.access(run_dir, os.W_OK):
+        raise UserError(f"run dir {run_dir} is not writable; choose a writable hydra.run.dir")
+    rundir.probe_lock(run_dir)
+    rundir.check_config(run_dir, _job_part(cfg))
+
+
+def _job_part(cfg: Any) -> Any:
+    """The run's own config (everything but ``hydra``)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+
+
 def _run_hydra(args: list[str]) -> int:
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig
 
     from kfac_bench.config.compose import PRIMARY
+    from kfac_bench.config.resolvers import register_resolvers
     from kfac_bench.config.store import register
 
     register()
@@ -220,13 +290,28 @@ def _run_hydra(args: list[str]) -> int:
 
     @hydra.main(config_path=str(config_dir()), config_name=PRIMARY, version_base="1.3")
     def job(cfg: DictConfig) -> None:
+        # Referenced here so that a submitit job, unpickling this function in a fresh process, imports
+        # the resolvers before Hydra resolves the job's directory (${uid:}).
+        register_resolvers()
         hc = HydraConfig.get()
         run_dir = Path(hc.runtime.output_dir)
         try:
             statuses.append(_job(cfg, run_dir, list(hc.overrides.task)))
         except UserError as exc:
-            print(f"kfac-bench: error: {exc}", file=sys.stderr, flush=True)
+            if not _secondary_rank():
+                print(f"kfac-bench: error: {exc}", file=sys.stderr, flush=True)
             statuses.append(exc.exit_code)
+        except OSError as exc:
+            if exc.errno not in _DISK_ERRNOS:
+                raise
+            if not _secondary_rank():
+                print(
+                    f"kfac-bench: error: cannot write to {exc.filename or run_dir}: {exc.strerror}; "
+                    "free space (or make the run dir writable) and run the same command to resume",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            statuses.append(UserError.exit_code)
 
     saved = sys.argv
     sys.argv = ["kfac-bench-train", *args]
@@ -238,17 +323,27 @@ def _run_hydra(args: list[str]) -> int:
 
 
 def _job(cfg: Any, run_dir: Path, overrides: list[str]) -> int:
+    from kfac_bench.train import rundir
     from kfac_bench.train.launch import inside_launched_worker, launch_torchrun
+    from kfac_bench.train.preflight import check_run
 
+    check_run(cfg)
     launcher = cfg.launcher
     if str(launcher.name.value) == "torchrun" and not inside_launched_worker():
-        return launch_torchrun(
-            overrides,
-            run_dir,
-            launcher.nproc_per_node,
-            launcher.max_restarts,
-            launcher.monitor_interval,
-        )
+        # This process owns the run for its ranks: the lock, the recorded config, the marker.
+        rundir.claim(run_dir, cfg)
+        os.environ[rundir.LOCKED_ENV] = str(run_dir.resolve())
+        try:
+            return launch_torchrun(
+                overrides,
+                run_dir,
+                launcher.nproc_per_node,
+                launcher.max_restarts,
+                launcher.monitor_interval,
+            )
+        finally:
+            os.environ.pop(rundir.LOCKED_ENV, None)
+            rundir.release(run_dir)
     from kfac_bench.train.run import train
 
     return int(train(cfg, run_dir))

@@ -88,9 +88,11 @@ def to_config_error(exc: BaseException) -> ConfigError:
         return ConfigError(f"unknown config key '{name}' (not a field of {key.group(2)})")
     override = _OVERRIDE.search(text)
     if override:
-        return ConfigError(
-            f"unknown config key '{override.group(1)}' (use +{override.group(1)}=... only to add a new key)"
-        )
+        # A dict value merged into an existing dict (train.targets={top_1: 0.5}) fails on the inner key:
+        # name that key, not the dict the override assigns.
+        full = _FULL_KEY.search(text)
+        name = full.group(1) if full and "is not in struct" in text else override.group(1)
+        return ConfigError(f"unknown config key '{name}' (use +{name}=... only to add a new key)")
     merging = _MERGING.search(text)
     if merging:
         causes = [str(e).splitlines()[0] for e in _chain(exc)[1:] if str(e)]

@@ -20,6 +20,7 @@ from typing import Any, Dict, List
 from omegaconf import MISSING
 
 from kfac_bench import kfac
+from kfac_bench.config.bounds import bounded
 
 
 class OptimizerName(str, Enum):
@@ -113,12 +114,12 @@ class OptimizerConfig:
     """
 
     name: OptimizerName = OptimizerName.sgd
-    lr: float = 0.1
-    momentum: float = 0.9
+    lr: float = bounded(0.1, gt=0)
+    momentum: float = bounded(0.9, ge=0, lt=1)
     nesterov: bool = False
-    weight_decay: float = 0.0
+    weight_decay: float = bounded(0.0, ge=0)
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
+    eps: float = bounded(1e-8, gt=0)
     scale_lr_with_world_size: bool = False
     #: Exclude biases and normalisation weights from weight decay (the BERT recipe's convention).
     no_decay_bias_and_norm: bool = False
@@ -142,15 +143,15 @@ class LRScheduleConfig:
 
     name: ScheduleName = ScheduleName.warmup_multistep
     unit: ScheduleUnit = ScheduleUnit.epochs
-    warmup: float = 0.0
-    warmup_start_factor: float | None = None
+    warmup: float = bounded(0.0, ge=0)
+    warmup_start_factor: float | None = bounded(None, ge=0, le=1)
     warmup_method: WarmupMethod = WarmupMethod.linear
-    warmup_factor: float = 0.0
+    warmup_factor: float = bounded(0.0, ge=0)
     milestones: List[float] = field(default_factory=list)
-    gamma: float = 0.1
-    power: float = 1.0
-    min_factor: float = 0.0
-    total: float | None = None
+    gamma: float = bounded(0.1, gt=0)
+    power: float = bounded(1.0, ge=0)
+    min_factor: float = bounded(0.0, ge=0, le=1)
+    total: float | None = bounded(None, gt=0)
     decay_from_start: bool = False
 
 
@@ -175,11 +176,11 @@ class KFACConfig:
     """
 
     enabled: bool = True
-    factor_update_steps: int = 1
-    inv_update_steps: int = 10
-    damping: float = 0.003
-    factor_decay: float = 0.95
-    kl_clip: float | None = 0.001
+    factor_update_steps: int = bounded(1, ge=1)
+    inv_update_steps: int = bounded(10, ge=1)
+    damping: float = bounded(0.003, ge=0)
+    factor_decay: float = bounded(0.95, ge=0, lt=1)
+    kl_clip: float | None = bounded(0.001, gt=0)
     compute_method: ComputeMethod = ComputeMethod.eigen
     compute_eigenvalue_outer_product: bool = True
     factor_dtype: str | None = None
@@ -191,16 +192,16 @@ class KFACConfig:
     colocate_factors: bool = True
     placement: Placement = Placement.lpt
     factor_reduction: FactorReduction = FactorReduction.allreduce
-    allreduce_bucket_cap_mb: float = 25.0
+    allreduce_bucket_cap_mb: float = bounded(25.0, gt=0)
     symmetry_aware: bool = False
     comm_dtype: str | None = None
     track_stage_times: bool = True
-    coverage_threshold: float = 0.5
+    coverage_threshold: float = bounded(0.5, ge=0, le=1)
     damping_decay_epochs: List[int] = field(default_factory=list)
-    damping_decay_factor: float = 0.5
+    damping_decay_factor: float = bounded(0.5, gt=0)
     update_interval_decay_epochs: List[int] = field(default_factory=list)
-    update_interval_decay_factor: float = 10.0
-    reference_world_size: int | None = None
+    update_interval_decay_factor: float = bounded(10.0, gt=0)
+    reference_world_size: int | None = bounded(None, ge=1)
 
 
 @dataclass
@@ -210,9 +211,9 @@ class LauncherConfig:
     every rank (up to ``max_restarts`` times) and they resume from the last checkpoint."""
 
     name: LauncherName = LauncherName.local
-    nproc_per_node: int = 1
-    max_restarts: int = 0
-    monitor_interval: float = 1.0
+    nproc_per_node: int = bounded(1, ge=1)
+    max_restarts: int = bounded(0, ge=0)
+    monitor_interval: float = bounded(1.0, gt=0)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -230,31 +231,34 @@ class TrainConfig:
     (``higher_is_better`` comes from the task). ``limit_*_batches`` cut epochs short for smoke runs.
     """
 
-    epochs: int = 10
-    max_steps: int | None = None
-    batch_size: int = 32
-    eval_batch_size: int | None = None
-    global_batch_size: int | None = None
-    accumulation_steps: int = 1
-    grad_clip_norm: float | None = None
-    eval_every_epochs: int = 1
-    eval_every_steps: int | None = None
+    epochs: int = bounded(10, ge=1)
+    max_steps: int | None = bounded(None, ge=1)
+    batch_size: int = bounded(32, ge=1)
+    eval_batch_size: int | None = bounded(None, ge=1)
+    global_batch_size: int | None = bounded(None, ge=1)
+    accumulation_steps: int = bounded(1, ge=1)
+    grad_clip_norm: float | None = bounded(None, gt=0)
+    eval_every_epochs: int = bounded(1, ge=0)
+    eval_every_steps: int | None = bounded(None, ge=0)
     targets: Dict[str, float] = field(default_factory=dict)
     stop_at_target: bool = False
     seed: int = 0
     precision: Precision = Precision.fp32
     device: DeviceKind = DeviceKind.auto
-    num_workers: int = 0
+    num_workers: int = bounded(0, ge=0)
     #: torch CPU threads per process; None: the machine's cores divided by the ranks on this node.
-    cpu_threads: int | None = None
+    cpu_threads: int | None = bounded(None, ge=1)
     find_unused_parameters: bool = False
-    checkpoint_every_epochs: int = 1
-    checkpoint_every_steps: int | None = None
+    checkpoint_every_epochs: int = bounded(1, ge=0)
+    checkpoint_every_steps: int | None = bounded(None, ge=0)
+    #: Checkpoints kept in ``checkpoints/`` (the newest K); a resume falls back to an older one when the
+    #: newest fails its checksum.
+    keep_checkpoints: int = bounded(2, ge=2)
     resume: bool = True
-    log_every_steps: int = 20
+    log_every_steps: int = bounded(20, ge=1)
     progress: ProgressKind = ProgressKind.auto
-    limit_train_batches: int | None = None
-    limit_eval_batches: int | None = None
+    limit_train_batches: int | None = bounded(None, ge=1)
+    limit_eval_batches: int | None = bounded(None, ge=1)
     tensorboard: bool = True
     mlperf_log: bool = True
     benchmark_name: str = "kfac_bench"
@@ -299,14 +303,14 @@ class SmallCNNConfig:
 class DigitsConfig:
     _target_: str = "kfac_bench.data.digits.build_digits"
     root: str | None = None
-    val_fraction: float = 0.2
+    val_fraction: float = bounded(0.2, gt=0, lt=1)
     split_seed: int = 0
 
 
 @dataclass
 class ClassificationTaskConfig:
     _target_: str = "kfac_bench.tasks.classification.build_classification"
-    label_smoothing: float = 0.0
+    label_smoothing: float = bounded(0.0, ge=0, lt=1)
     topk: List[int] = field(default_factory=lambda: [1, 5])
     target_metric: str = "top1"
 

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from kfac_bench.config import recipes_dir
 from kfac_bench.config.families import SCHEMAS as FAMILY_SCHEMAS
+from kfac_bench.config.resolvers import register_resolvers
 from kfac_bench.config.schema import SCHEMAS, RunConfig
 from kfac_bench.errors import ConfigError
 
@@ -39,8 +40,9 @@ def _recipe_package(path: Path) -> str | None:
 
 
 def register() -> None:
-    """Store every schema and recipe (idempotent)."""
+    """Store every schema and recipe, and register the config resolvers (idempotent)."""
     global _registered
+    register_resolvers()
     if _registered:
         return
     cs = ConfigStore.instance()

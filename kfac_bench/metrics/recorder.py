@@ -86,6 +86,14 @@ class Recorder:
         self._loss, self._n = 0.0, 0
         self._t, self._samples = time.perf_counter(), self.state.samples
 
+    def rewind(self, step: int) -> None:
+        """The run continues from the checkpoint at ``step``: evaluations and TensorBoard events that an
+        earlier process logged after it are dropped, so no step is recorded twice."""
+        if self.jsonl is not None:
+            self.jsonl.truncate_after(step)
+        if self.tb is not None:
+            self.tb.purge_after(step)
+
     def start(self, global_batch: int, resumed: bool) -> None:
         """The run (or a resumed part of it) starts training: MLPerf's header and ``run_start`` (once per
         run; a resumed run continues the log it restored)."""

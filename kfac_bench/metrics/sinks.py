@@ -12,6 +12,7 @@ Files in the run directory:
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,8 @@ EVAL_FILE = "eval.jsonl"
 
 
 class JsonlSink:
-    """Appends one JSON object per line (the file survives restarts: a resumed run keeps appending)."""
+    """Appends one JSON object per line (the file survives restarts: a resumed run keeps appending, after
+    :meth:`truncate_after` dropped what came after its checkpoint)."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -30,6 +32,29 @@ class JsonlSink:
         with self.path.open("a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
             f.flush()
+
+    def truncate_after(self, step: int) -> int:
+        """Keep only records of steps ``<= step``, one per step (the last written), and no cut-off line;
+        a run resumed from the checkpoint at ``step`` then never repeats a step. Returns the records
+        dropped."""
+        if not self.path.is_file():
+            return 0
+        lines = self.path.read_text().splitlines()
+        by_step: dict[int, str] = {}
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line cut off by a crash
+            at = record.get("step") if isinstance(record, dict) else None
+            if isinstance(at, int) and at <= step:
+                by_step[at] = line
+        kept = [by_step[k] for k in sorted(by_step)]
+        if kept != lines:
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
+        return len(lines) - len(kept)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -41,17 +66,32 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 class TensorBoardSink:
-    """Scalars keyed by the global optimizer step."""
+    """Scalars keyed by the global optimizer step. The event file is opened at the first scalar, with the
+    purge step :meth:`purge_after` set: TensorBoard then discards the events an earlier process of the run
+    logged after the step this one resumed from."""
 
     def __init__(self, log_dir: Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        self.log_dir = Path(log_dir)
+        self.purge_step: int | None = None
+        self._writer: Any = None
 
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+    def purge_after(self, step: int) -> None:
+        """Events of steps ``> step`` written before are dropped (``SummaryWriter(purge_step=step + 1)``)."""
+        self.purge_step = step + 1
+
+    @property
+    def writer(self) -> Any:
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=self.purge_step)
+        return self._writer
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         for key, value in values.items():
             self.writer.add_scalar(key, value, global_step=step)
 
     def close(self) -> None:
-        self.writer.flush()
-        self.writer.close()
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()

@@ -24,9 +24,11 @@ class Task(Protocol):
         higher_is_better: direction of ``target_metric``.
 
     Note:
-        A task may also define ``save_outputs(run_dir: Path) -> None``: the run calls it once on rank 0
-        after training, before ``summary.json``, to write what its last evaluation produced (SQuAD writes
-        ``predictions.json``). It is not part of the protocol, so tasks without outputs need nothing.
+        Two optional members, not part of the protocol (tasks without them need nothing):
+        ``save_outputs(run_dir: Path) -> None``, which the run calls once on rank 0 after training, before
+        ``summary.json``, to write what its last evaluation produced (SQuAD writes ``predictions.json``);
+        and ``metric_names``, the keys ``evaluate`` returns, so that a target on any other metric is
+        refused before the run starts (:func:`kfac_bench.train.preflight.check_targets`).
     """
 
     target_metric: str

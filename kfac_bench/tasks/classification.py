@@ -35,6 +35,11 @@ class ClassificationTask:
         self.topk = tuple(int(k) for k in topk)
         self.target_metric = target_metric
 
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """The keys :meth:`evaluate` returns (``topK`` only where K <= the number of classes)."""
+        return ("loss", *(f"top{k}" for k in self.topk))
+
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         images, labels = batch
         return F.cross_entropy(model(images), labels, label_smoothing=self.label_smoothing)

@@ -171,6 +171,7 @@ class DetectionTask:
 
     target_metric = "bbox_map"
     higher_is_better = True
+    metric_names = tuple(METRICS)
 
     def __init__(
         self, targets: Mapping[str, float] | None = None, mask_threshold: float = 0.5

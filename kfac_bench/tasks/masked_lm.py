@@ -48,6 +48,7 @@ class MaskedLMTask:
 
     target_metric = "mlm_accuracy"
     higher_is_better = True
+    metric_names = ("mlm_accuracy", "mlm_loss", "nsp_accuracy", "nsp_loss")
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         mlm_logits, nsp_logits = _logits(model, batch)

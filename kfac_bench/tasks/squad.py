@@ -189,6 +189,7 @@ class SquadTask:
 
     target_metric = "f1"
     higher_is_better = True
+    metric_names = ("exact_match", "f1")
 
     def __init__(
         self, n_best_size: int = N_BEST_SIZE, max_answer_length: int = MAX_ANSWER_LENGTH

@@ -215,6 +215,7 @@ def build_run(cfg: DictConfig, run_dir: Path, env: DistEnv, device: torch.device
             "rng": RNGState(env.rank, env.world_size),  # last: restored after everything else
         },
         is_main=env.is_main,
+        keep=t.keep_checkpoints,
     )
     loop = Loop(
         model=model,

@@ -6,17 +6,20 @@ scheduler, AMP scaler, preconditioner, train state, target tracker, stage times,
 packs a checkpoint by hand. A checkpoint file is ``{part name: part.state_dict(), ...}`` plus the step it was
 taken at; the model's weights are under ``"model"`` (BERT phase 2 reads them from the phase-1 file).
 
-Storage is private to the manager (:meth:`CheckpointManager._write` / :meth:`CheckpointManager._read`): today
-one file, ``<run dir>/checkpoints/last.pt``, replaced atomically (write a temporary file in the same folder,
-fsync, ``os.replace``), so a crash while saving leaves the previous checkpoint intact. Keeping the last K
-checkpoints with a manifest and falling back to the newest good one changes only those two methods.
-Rank 0 writes; every rank reads.
+Storage is private to the manager (:meth:`CheckpointManager._write` / :meth:`CheckpointManager._read`, on
+top of :mod:`kfac_bench.train.checkpoint_files`): the newest ``keep`` checkpoints as ``step-<N>.pt`` files,
+each with a size/SHA-256 manifest written after it, and ``last.pt`` naming the newest. A load verifies the
+newest against its manifest and falls back to the newest good one with a one-line warning (the bad ones are
+renamed ``*.corrupt``); with none good it stops with one line naming the files. A failed write (disk full,
+read-only folder) is one line and leaves every earlier checkpoint intact. Rank 0 writes and chooses which
+file to load; every rank reads it.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,7 +29,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kfac_bench.errors import ConfigError
+from kfac_bench.errors import ConfigError, UserError
+from kfac_bench.train import checkpoint_files as files
+from kfac_bench.train.distributed import from_main
 
 __all__ = [
     "CHECKPOINT_DIR",
@@ -38,7 +43,7 @@ __all__ = [
 ]
 
 CHECKPOINT_DIR = "checkpoints"
-LAST = "last.pt"
+LAST = files.LAST
 
 
 @runtime_checkable
@@ -63,18 +68,30 @@ class CheckpointManager:
             scaler on the CPU) are left out. Parts are saved and restored in this order: put the random
             generators last.
         is_main: whether this process writes (rank 0).
+        keep: how many checkpoints to keep (the newest); older ones are deleted after a save succeeds.
 
     Note:
         :meth:`save` and :meth:`load` are collective under torch.distributed (the preconditioner gathers its
-        factors, the generators gather every rank's state): every rank calls them at the same point.
+        factors, the generators gather every rank's state, rank 0 shares the outcome of its file work):
+        every rank calls them at the same point.
     """
 
     def __init__(
-        self, folder: Path, parts: Mapping[str, Stateful | None], *, is_main: bool = True
+        self,
+        folder: Path,
+        parts: Mapping[str, Stateful | None],
+        *,
+        is_main: bool = True,
+        keep: int = 2,
     ) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
         self.folder = Path(folder)
         self.parts: dict[str, Stateful] = {k: v for k, v in parts.items() if v is not None}
         self.is_main = is_main
+        self.keep = keep
+        #: The file the last :meth:`load` or :meth:`read` restored from (None: none yet).
+        self.loaded_path: Path | None = None
 
     @property
     def last_path(self) -> Path:
@@ -85,24 +102,47 @@ class CheckpointManager:
         """Checkpoint every part as of optimizer step ``step``."""
         payload: dict[str, Any] = {name: part.state_dict() for name, part in self.parts.items()}
         payload["step"] = step
+        error = None
         if self.is_main:
-            self._write(payload)
-        if _distributed():
-            dist.barrier()
+            try:
+                self._write(payload)
+            except UserError as exc:
+                error = str(exc)
+        # Every rank learns whether the file made it (this is also the barrier after the write).
+        error = from_main(error)
+        if error is not None:
+            raise UserError(error)
 
     def load(self) -> bool:
-        """Restore every part from the newest checkpoint; False (nothing changed) if there is none.
+        """Restore every part from the newest good checkpoint; False (nothing changed) if there is none.
+
+        Rank 0 verifies the files (removing temporary files a killed writer left, setting bad checkpoints
+        aside as ``*.corrupt`` with a one-line warning) and tells the other ranks which file to read.
 
         Raises:
+            UserError: checkpoints exist but none is good (one line naming them).
             ConfigError: the checkpoint lacks a part this run has (it was written with other settings).
         """
-        saved = self._read()
-        if saved is None:
+        choice: tuple[str | None, str | None] = (None, None)  # (file to read, error)
+        saved = None
+        if self.is_main:
+            try:
+                saved = self._read(owner=True)
+                choice = (str(self.loaded_path) if saved is not None else None, None)
+            except UserError as exc:
+                choice = (None, str(exc))
+        path, error = from_main(choice)
+        if error is not None:
+            raise UserError(error)
+        if path is None:
             return False
+        if saved is None:
+            saved = torch.load(path, map_location="cpu", weights_only=False)
+            self.loaded_path = Path(path)
         missing = [name for name in self.parts if name not in saved]
         if missing:
             raise ConfigError(
-                f"checkpoint {self.last_path} holds no {', '.join(missing)} state: it was written by a run "
+                f"checkpoint {path} holds no {', '.join(missing)} state: it was written by a run "
                 "with other settings (e.g. kfac=none); resume with those settings or use a new run directory"
             )
         for name, part in self.parts.items():
@@ -110,16 +150,38 @@ class CheckpointManager:
         return True
 
     def read(self) -> dict[str, Any] | None:
-        """The newest checkpoint as saved (tensors on the CPU), or None: for tools and tests."""
+        """The newest good checkpoint as saved (tensors on the CPU), or None if there is none: for tools
+        and tests (reads only; safe on the folder of a run that is still going).
+
+        Raises:
+            UserError: checkpoints exist but none is good (one line naming them).
+        """
         return self._read()
 
     def _write(self, payload: dict[str, Any]) -> None:
-        save_atomic(payload, self.last_path)
+        files.write_checkpoint(self.folder, payload, int(payload["step"]), self.keep)
 
-    def _read(self) -> dict[str, Any] | None:
-        if not self.last_path.is_file():
+    def _read(self, owner: bool = False) -> dict[str, Any] | None:
+        """The newest good checkpoint; ``owner`` (the run that writes this folder, rank 0) also removes
+        orphaned temporary files and sets rejected checkpoints aside, with a one-line warning."""
+        if owner and self.folder.is_dir():
+            files.remove_orphans(self.folder)
+        found = files.load_newest_good(self.folder)
+        if found is None:
             return None
-        return torch.load(self.last_path, map_location="cpu", weights_only=False)
+        payload, chosen, rejected = found
+        self.loaded_path = chosen.path
+        if rejected:
+            moved = files.quarantine(rejected) if owner else []
+            bad = "; ".join(f"{c.path.name} ({why})" for c, why in rejected)
+            print(
+                f"kfac-bench: warning: skipped bad checkpoint(s) {bad}"
+                + (" (kept as *.corrupt)" if moved else "")
+                + f"; using {chosen.path} (step {payload.get('step')})",
+                file=sys.stderr,
+                flush=True,
+            )
+        return payload
 
 
 def save_atomic(obj: dict[str, Any], path: Path) -> None:

@@ -8,17 +8,19 @@ the master address is then the first node of ``SLURM_JOB_NODELIST`` (expanded by
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "cleanup", "detect", "first_host", "setup"]
+__all__ = ["DistEnv", "cleanup", "detect", "first_host", "from_main", "setup"]
 
 
 @dataclass(frozen=True)
@@ -116,9 +118,31 @@ def setup(env: DistEnv, device: torch.device) -> None:
     )
 
 
-def cleanup() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def cleanup(synchronize: bool = False) -> None:
+    """Leave the process group, if any.
+
+    Objects that hold the group (DDP's reducer, the preconditioner's communicators and their pending
+    work) are collected first: left to the interpreter's exit, gloo's worker threads are torn down during
+    finalization, which aborts the process ("terminate called without an active exception") after the run
+    has finished, failing an ``srun --kill-on-bad-exit`` job (the failure pytorch/pytorch#190489 shows).
+    With ``synchronize`` (a run that ended normally) every rank first waits for the others, so no rank
+    leaves while rank 0 still writes the summary or a peer is still in a collective.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    gc.collect()
+    if synchronize and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def from_main(value: Any) -> Any:
+    """``value`` as rank 0 has it, on every rank (unchanged outside a process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def pick_device(kind: str, env: DistEnv) -> torch.device:

@@ -1,8 +1,9 @@
 """``launcher=torchrun``: start the run's ranks on this machine through ``torch.distributed.run``.
 
-The parent process (the Hydra job) owns the run directory; it re-invokes ``kfac-bench train`` with the same
-overrides in every rank, pointed at that directory (``hydra.run.dir``), so all ranks share one run and a
-restarted rank (``--max-restarts``) resumes from its checkpoint.
+The parent process (the Hydra job) owns the run directory (it holds its lock, :mod:`kfac_bench.train.rundir`);
+it re-invokes ``kfac-bench train`` with the same overrides in every rank, pointed at that directory
+(``hydra.run.dir``), so all ranks share one run and a restarted rank (``--max-restarts``) resumes from its
+checkpoint. Preemption signals reach the ranks through :mod:`kfac_bench.train.agent`.
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-
-from kfac_bench.train.signals import EXIT_REQUEUE
 
 __all__ = ["inside_launched_worker", "launch_torchrun", "torchrun_args"]
 
@@ -52,19 +51,10 @@ def launch_torchrun(
     max_restarts: int,
     monitor_interval: float,
 ) -> int:
-    """Run the ranks to completion; returns 0, :data:`EXIT_REQUEUE` if a rank was preempted (or this
-    process was signalled), else 1."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
+    """Run the ranks to completion under :func:`kfac_bench.train.agent.run_torchrun`, which forwards
+    SIGTERM/SIGUSR1/SIGUSR2 to them; returns 0, 75 (:data:`kfac_bench.train.signals.EXIT_REQUEUE`) if
+    they stopped for preemption with a checkpoint, 2 for a user error in the ranks, else 1."""
+    from kfac_bench.train.agent import run_torchrun
 
-    try:
-        torchrun_main(
-            torchrun_args(overrides, run_dir, nproc_per_node, max_restarts, monitor_interval)
-        )
-    except ChildFailedError as exc:
-        codes = {f.exitcode for f in exc.failures.values()}
-        return EXIT_REQUEUE if EXIT_REQUEUE in codes else 1
-    except SignalException:
-        return EXIT_REQUEUE
-    return 0
+    args = torchrun_args(overrides, run_dir, nproc_per_node, max_restarts, monitor_interval)
+    return run_torchrun(args, Path(run_dir).resolve())

@@ -1,44 +1,93 @@
-"""One run, in every rank: build -> resume -> loop -> report. :func:`train` is what ``kfac-bench train``
-calls (directly, or in each rank that ``launcher=torchrun`` starts)."""
+"""One run, in every rank: claim -> build -> resume -> loop -> report. :func:`train` is what ``kfac-bench
+train`` calls (directly, or in each rank that ``launcher=torchrun`` or a launch script starts)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from kfac_bench.errors import UserError
 from kfac_bench.metrics import summary
-from kfac_bench.train import distributed, warm_start
+from kfac_bench.train import distributed, rundir, warm_start
 from kfac_bench.train.build import build_run
 from kfac_bench.train.checkpoint import CHECKPOINT_DIR
 from kfac_bench.train.loop import run_loop
-from kfac_bench.train.signals import EXIT_REQUEUE
+from kfac_bench.train.signals import EXIT_REQUEUE, PreemptionFlag
 
 __all__ = ["EXIT_CODES", "train"]
 
 #: Process exit status per run status. A diverged run is a result (status in summary.json), not a crash,
-#: so it exits 0 and a torchrun restart does not replay it.
+#: so it exits 0 and a torchrun restart does not replay it. A preempted rank under torchrun exits 0 too
+#: (a failure would make torchrun restart it); the run directory's ``preempted`` marker says it stopped.
 EXIT_CODES = {"success": 0, "target_not_reached": 0, "diverged": 0, "preempted": EXIT_REQUEUE}
 
 
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def train(cfg: DictConfig, run_dir: Path) -> int:
-    """Train as configured, writing everything under ``run_dir``; returns the process exit status."""
+    """Train as configured, writing everything under ``run_dir``; returns the process exit status.
+
+    Raises:
+        UserError: one line (the run directory is in use or records another config, no checkpoint is
+            good, a checkpoint cannot be written); raised on every rank, printed by rank 0.
+    """
+    run_dir = Path(run_dir)
+    # Before anything slow: a preemption signal during setup is kept and honoured at the first step.
+    flag = PreemptionFlag().install()
     env = distributed.detect()
     device = distributed.pick_device(str(cfg.train.device.value), env)
-    distributed.setup(env, device)
+    status: str | None = None
+    owns_lock = False
     try:
-        return _train(cfg, Path(run_dir), env, device)
+        distributed.setup(env, device)
+        owns_lock = _claim(cfg, run_dir, env)
+        status = _train(cfg, run_dir, env, device, flag)
     finally:
-        distributed.cleanup()
+        flag.restore()
+        distributed.cleanup(synchronize=status is not None)
+        if owns_lock:
+            rundir.release(run_dir)
+    code = EXIT_CODES[status]
+    if status == "preempted":
+        code = 0 if _under_torchrun() else code
+        flag.hand_back()  # e.g. submitit's requeue, now that the checkpoint is written
+    return code
 
 
-def _train(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv, device: torch.device) -> int:
+def _claim(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv) -> bool:
+    """Rank 0 claims the run directory (unless its launcher holds it); every rank learns the outcome.
+    Returns whether this process took the lock."""
+    error, took = None, False
+    if env.is_main and not rundir.locked_by_launcher(run_dir):
+        try:
+            rundir.claim(run_dir, cfg)
+            took = True
+        except UserError as exc:
+            error = str(exc)
+    error = distributed.from_main(error)
+    if error is not None:
+        raise UserError(error)
+    return took
+
+
+def _train(
+    cfg: DictConfig,
+    run_dir: Path,
+    env: distributed.DistEnv,
+    device: torch.device,
+    flag: PreemptionFlag,
+) -> str:
     init_from = cfg.train.init_from
     if init_from is not None and not (run_dir / CHECKPOINT_DIR).is_dir():
         warm_start.locate(init_from)  # a wrong path stops the run before anything is built
     run = build_run(cfg, run_dir, env, device)
     loop, state = run.loop, run.loop.state
+    loop.preempt = flag
 
     resumed = run.checkpoints.load() if cfg.train.resume else False
     if not resumed and init_from is not None:
@@ -46,7 +95,6 @@ def _train(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv, device: tor
         if env.is_main:
             print(started, flush=True)
     if env.is_main:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         print(
             f"kfac-bench: run dir {run_dir} | world {env.world_size} on {device} | "
             f"kfac {'on' if loop.precond is not None else 'off'} | "
@@ -54,14 +102,14 @@ def _train(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv, device: tor
             + (f" | resumed at step {state.step}" if resumed else ""),
             flush=True,
         )
+    # Records after the resumed step belong to a future this run no longer has: drop them.
+    run.recorder.rewind(state.step)
     run.recorder.start(run.plan.global_batch, resumed)
 
     status: str | None = None
-    loop.preempt.install()
     try:
         status = run_loop(loop)
     finally:
-        loop.preempt.restore()
         run.recorder.close(status)
     state.wall.stop()
 
@@ -87,4 +135,6 @@ def _train(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv, device: tor
         )
         summary.write_summary(run_dir, result)
         print(summary.report_line(result, run_dir), flush=True)
-    return EXIT_CODES[status]
+        if status == "preempted":  # last: the checkpoint and summary are complete
+            rundir.mark_preempted(run_dir, state.step, flag.signum)
+    return status

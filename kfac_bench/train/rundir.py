@@ -1,0 +1,282 @@
+"""A run directory belongs to one run: an exclusive lock, the recorded config, and the preemption marker.
+
+Files it keeps in the run directory:
+    ``run.lock``: ``flock``-ed exclusively for the run's life by the process that owns the run (the
+        launching process under ``launcher=torchrun``, else rank 0). The kernel drops the lock when that
+        process exits, however it exits (SIGKILL included), so a stale lock cannot block a resume. Its text
+        names the holder (pid, host, start time) for the message a second run prints.
+    ``config.yaml``: the composed, resolved config, written when the run is claimed. Resuming checks the
+        new config against it: keys other than :data:`MAY_CHANGE_ON_RESUME` must be equal.
+    ``preempted``: written by rank 0 after a preemption checkpoint (and the summary), removed when the
+        run starts again. It carries "preempted" across torchrun, which turns a rank's exit status into
+        its own: launchers requeue when it is there, and only then.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import fnmatch
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from kfac_bench.errors import ConfigError, UserError
+
+__all__ = [
+    "CONFIG_FILE",
+    "LOCKED_ENV",
+    "LOCK_FILE",
+    "MAY_CHANGE_ON_RESUME",
+    "PREEMPTED_FILE",
+    "check_config",
+    "claim",
+    "clear_preempted",
+    "config_drift",
+    "lock",
+    "locked_by_launcher",
+    "mark_preempted",
+    "probe_lock",
+    "record_config",
+    "release",
+    "was_preempted",
+]
+
+LOCK_FILE = "run.lock"
+CONFIG_FILE = "config.yaml"
+PREEMPTED_FILE = "preempted"
+#: Set by a launching process that holds the lock for its ranks (the value is the run directory).
+LOCKED_ENV = "KFAC_BENCH_LOCKED_RUN_DIR"
+
+#: Config keys a resumed run may change (``*`` matches any key below a section). Everything else defines
+#: the run (model, data, optimizer, schedule, K-FAC, seed, batch sizes, targets, evaluation cadence: they
+#: change its numbers or its time to target) and must stay as recorded.
+MAY_CHANGE_ON_RESUME: tuple[str, ...] = (
+    # Extend (or shorten) the budget of a run that has not finished; a schedule whose length is the run's
+    # follows the new length from the resumed step on.
+    "train.epochs",
+    "train.max_steps",
+    # How the run is displayed and logged, not what it computes.
+    "train.progress",
+    "train.log_every_steps",
+    "train.tensorboard",
+    "kfac.track_stage_times",
+    # Checkpoint cadence and retention: what a preemptible queue tunes.
+    "train.checkpoint_every_epochs",
+    "train.checkpoint_every_steps",
+    "train.keep_checkpoints",
+    "train.resume",
+    # Where and how the same computation runs: input workers, CPU threads, evaluation batch (evaluation
+    # sums over examples), DDP's unused-parameter search, stopping once the target is met.
+    "train.num_workers",
+    "train.cpu_threads",
+    "train.eval_batch_size",
+    "train.find_unused_parameters",
+    "train.stop_at_target",
+    # How the ranks are started (torchrun restarts, monitor interval, ranks per node).
+    "launcher.*",
+)
+
+_held: dict[Path, int] = {}
+
+
+def _holder_text(path: Path) -> str:
+    try:
+        return path.read_text().strip() or "another process"
+    except OSError:
+        return "another process"
+
+
+def lock(run_dir: Path) -> None:
+    """Take the run directory's exclusive lock for this process (a no-op if it holds it already).
+
+    Raises:
+        UserError: another run holds it, or the directory cannot be written (one line).
+    """
+    run_dir = Path(run_dir).resolve()
+    if run_dir in _held:
+        return
+    path = run_dir / LOCK_FILE
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise UserError(
+            f"cannot write to run dir {run_dir}: {exc.strerror or exc}; "
+            "choose a writable hydra.run.dir"
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UserError(
+            f"run dir {run_dir} is in use by another run ({_holder_text(path)}); wait for it to "
+            "end or choose another hydra.run.dir"
+        ) from None
+    except OSError as exc:
+        if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+        print(
+            f"kfac-bench: warning: the filesystem of {run_dir} does not support locks "
+            f"({exc.strerror}): a second run in this directory would not be stopped",
+            file=sys.stderr,
+            flush=True,
+        )
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {stamp}\n".encode())
+    _held[run_dir] = fd
+
+
+def release(run_dir: Path) -> None:
+    """Drop this process's lock on ``run_dir`` (process exit does it too)."""
+    fd = _held.pop(Path(run_dir).resolve(), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def probe_lock(run_dir: Path) -> None:
+    """Fail if another process holds ``run_dir``'s lock, without taking it (a launcher whose ranks will
+    take it; never creates anything).
+
+    Raises:
+        UserError: another run holds it.
+    """
+    run_dir = Path(run_dir).resolve()
+    path = run_dir / LOCK_FILE
+    if run_dir in _held or not path.is_file():
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UserError(
+            f"run dir {run_dir} is in use by another run ({_holder_text(path)}); wait for it to "
+            "end or choose another hydra.run.dir"
+        ) from None
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def locked_by_launcher(run_dir: Path, env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process's launcher holds ``run_dir``'s lock for it (``launcher=torchrun``)."""
+    env = os.environ if env is None else env
+    held = env.get(LOCKED_ENV)
+    return held is not None and Path(held).resolve() == Path(run_dir).resolve()
+
+
+def _flatten(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _flatten(value, f"{prefix}{key}.")
+    else:
+        yield prefix[:-1], node
+
+
+def _plain(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
+    return dict(cfg)
+
+
+def config_drift(
+    recorded: Mapping[str, Any], current: Mapping[str, Any]
+) -> list[tuple[str, Any, Any]]:
+    """(key, recorded value, current value) of every key that differs, other than
+    :data:`MAY_CHANGE_ON_RESUME` (a key only one side has counts, with ``<unset>`` on the other)."""
+    old, new = dict(_flatten(dict(recorded))), dict(_flatten(dict(current)))
+    drift = []
+    for key in sorted(set(old) | set(new)):
+        if any(fnmatch.fnmatchcase(key, pattern) for pattern in MAY_CHANGE_ON_RESUME):
+            continue
+        a, b = old.get(key, "<unset>"), new.get(key, "<unset>")
+        if a != b:
+            drift.append((key, a, b))
+    return drift
+
+
+def check_config(run_dir: Path, cfg: DictConfig | Mapping[str, Any]) -> None:
+    """Stop if ``run_dir`` records a run with another config.
+
+    Raises:
+        ConfigError: one line naming the differing keys (recorded -> now).
+    """
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        return
+    try:
+        recorded = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(
+            f"cannot read the recorded config {path} ({type(exc).__name__}); restore it or choose "
+            "another hydra.run.dir"
+        ) from None
+    drift = config_drift(recorded if isinstance(recorded, dict) else {}, _plain(cfg))
+    if not drift:
+        return
+    shown = ", ".join(f"{k} ({a!r} -> {b!r})" for k, a, b in drift[:6])
+    more = f" and {len(drift) - 6} more" if len(drift) > 6 else ""
+    raise ConfigError(
+        f"run dir {Path(run_dir).resolve()} holds a run with another config: {shown}{more}; resume with "
+        f"the values in {path} or choose another hydra.run.dir"
+    )
+
+
+def record_config(run_dir: Path, cfg: DictConfig) -> None:
+    """Write ``config.yaml`` (resolved), atomically."""
+    path = Path(run_dir) / CONFIG_FILE
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def claim(run_dir: Path, cfg: DictConfig) -> None:
+    """Make ``run_dir`` this run's: take the lock, check the config against the recorded one, remove
+    temporary files a killed writer left, record the config, and remove an earlier attempt's preemption
+    marker.
+
+    Raises:
+        UserError: the directory is in use, not writable, or records another config (one line).
+    """
+    lock(run_dir)
+    try:
+        check_config(run_dir, cfg)
+        for orphan in Path(run_dir).glob(".*.tmp"):  # left by a writer that was killed mid-write
+            orphan.unlink(missing_ok=True)
+        record_config(run_dir, cfg)
+        clear_preempted(run_dir)
+    except OSError as exc:
+        release(run_dir)
+        raise UserError(f"cannot write to run dir {run_dir}: {exc.strerror or exc}") from None
+    except BaseException:
+        release(run_dir)
+        raise
+
+
+def mark_preempted(run_dir: Path, step: int, signum: int | None) -> None:
+    """Record that the run stopped for preemption at ``step`` with its checkpoint written."""
+    name = f"signal {signum}" if signum is not None else "signal"
+    (Path(run_dir) / PREEMPTED_FILE).write_text(f"step {step} {name}\n")
+
+
+def clear_preempted(run_dir: Path) -> None:
+    (Path(run_dir) / PREEMPTED_FILE).unlink(missing_ok=True)
+
+
+def was_preempted(run_dir: Path) -> bool:
+    return (Path(run_dir) / PREEMPTED_FILE).is_file()
