@@ -16,7 +16,8 @@ KAISA §5.5 Table 5 measures the K-FAC memory overhead per GPU at 64 V100s for t
 Its layer set is the reference code's: the Mask R-CNN fork skipped the box head's fc6/fc7
 (``MASKRCNN_SKIP_LAYERS``, which the recipes follow too), and gpauloski/BERT-PyTorch's
 ``run_pretraining.py`` skipped only ``BertLMPredictionHead`` and the embeddings (a skipped module's
-children too), so the pooler and the NSP classifier were preconditioned. Placement is LPT with factors colocated (the outer product requires it).
+children too), so the pooler and the NSP classifier were preconditioned. Placement is LPT with factors
+colocated (the outer product requires it).
 """
 
 from __future__ import annotations
