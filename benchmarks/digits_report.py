@@ -31,6 +31,7 @@ def _spread(values: Sequence[float | None], missing_last: bool = True) -> dict[s
     med = statistics.median(vals) if vals else math.inf
     return {
         "median": med if math.isfinite(med) else None,
+        "mean": statistics.fmean(given) if given else None,
         "min": min(given) if given else None,
         "max": max(vals) if vals and math.isfinite(max(vals)) else None,
         "reached": len(given),
@@ -68,17 +69,17 @@ def summarise(results: Sequence[RunResult]) -> list[dict[str, Any]]:
     return rows
 
 
-def _rank_key(row: dict[str, Any]) -> tuple[int, float, float]:
+def _rank_key(row: dict[str, Any]) -> tuple[float, ...]:
     e, t = row["epochs_to_target"], row["time_to_target_s"]
     inf = math.inf
-    return (-t["reached"], inf if e["median"] is None else e["median"], t["median"] or inf)
+    return (-t["reached"], e["median"] or inf, e["mean"] or inf, t["median"] or inf)
 
 
 def best_lrs(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
     """Each arm's best row per batch size: the most seeds reaching the target, then the lowest median
-    time to target. Within one arm and batch a step costs the same at every LR, so the median epochs to
-    target ranks the LRs as their times would without the machine's load noise; the measured median
-    time breaks ties."""
+    time to target. Within one arm and batch a step costs the same at every LR, so epochs to target
+    (median, then mean over the seeds that reach it) rank the LRs as their times would without the
+    machine's load noise; the measured median time breaks the remaining ties."""
     best: dict[tuple[str, int], dict[str, Any]] = {}
     for row in rows:
         key = (row["arm"], row["batch_size"])

@@ -69,6 +69,16 @@ def test_best_lr_prefers_more_seeds_reaching_then_lower_median_time() -> None:
     # 0.1 is fastest where it reaches, but misses one seed; 0.2 reaches in both and beats 0.4.
     assert best[("sgd", 256)]["lr"] == 0.2
 
+    # Equal median epochs: the lower mean epochs wins, not the (noisy) measured time.
+    curve = {1: [0.95, 0.95, 0.95], 3: [0.5, 0.5, 0.95]}
+    tied = [_run("kfac", 0.4, seed, curve[e]) for seed, e in enumerate((1, 1, 3))]
+    tied += [_run("kfac", 0.8, seed, curve[1]) for seed in range(3)]
+    for r in tied[:3]:
+        r.train_time_s = [0.1, 0.2, 0.3]  # 0.4 looks faster on the clock
+    rows = summarise(tied)
+    assert rows[0]["epochs_to_target"]["median"] == rows[1]["epochs_to_target"]["median"] == 1
+    assert best_lrs(rows)[("kfac", 256)]["lr"] == 0.8
+
 
 def test_cadence_parses_and_rejects_bad_values() -> None:
     assert _cadence("2/20") == (2, 20)
