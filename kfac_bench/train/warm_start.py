@@ -37,6 +37,7 @@ from torch import nn
 
 from kfac_bench.errors import ConfigError, UserError
 from kfac_bench.train.checkpoint import CHECKPOINT_DIR, CheckpointManager
+from kfac_bench.train.checkpoint_files import NoGoodCheckpoint
 
 __all__ = ["locate", "start_from"]
 
@@ -83,6 +84,13 @@ def start_from(
         )
     try:
         saved = manager.read()
+    except (
+        NoGoodCheckpoint
+    ):  # the resume wording ("restore a good copy") does not fit a start point
+        raise ConfigError(
+            f"{_KEY}: {manager.last_path} is not a readable checkpoint (it fails verification or does not "
+            "load): give the phase-1 run's checkpoints/last.pt"
+        ) from None
     except UserError:
         raise
     except Exception as err:  # torch.load raises many unrelated types for a file it cannot read
