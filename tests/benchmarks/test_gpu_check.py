@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import time
@@ -230,12 +229,6 @@ def _dry_run(tmp_path: Path, *args: str, timeout: float = 900) -> tuple[int, dic
     return done.returncode, report, (tmp_path / gpu_report.MD_NAME).read_text()
 
 
-def _engine_failure(section: dict[str, Any]) -> bool:
-    """A failed step whose innermost traceback frame is in the engine (recorded as designed)."""
-    frames = re.findall(r'File "([^"]+)"', section["error"] or "")
-    return section["status"] == "failed" and bool(frames) and "kfac_bench/kfac/" in frames[-1]
-
-
 def _check_measured(name: str, data: dict[str, Any]) -> None:
     if name in ("resnet50", "bert_large"):
         assert [(c["factor_update_steps"], c["inv_update_steps"]) for c in data["cadences"]] == [
@@ -273,17 +266,11 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert {x["status"] for x in report["targets"]} == {"not-checked"}
     for heading in ("## Targets", "## Steps", "## Step time", "## Stage breakdown", "## Memory"):
         assert heading in md
-    engine_failed = []
     for name in ("resnet50", "bert_large", "memory"):
-        if s[name]["status"] == "ok":
-            _check_measured(name, s[name]["data"])
-        else:
-            assert _engine_failure(s[name]), (name, s[name]["status"], s[name]["error"])
-            engine_failed.append(name)
-    assert code == (1 if engine_failed else 0)
-    if engine_failed:
-        errors = {s[n]["error"].strip().splitlines()[-1][:160] for n in engine_failed}
-        pytest.xfail(f"the engine failed under autocast in {engine_failed}: {errors}")
+        # The engine computes factors outside autocast (bf16 ResNet-50, fp16 BERT): every step measures.
+        assert s[name]["status"] == "ok", (name, s[name]["status"], s[name]["error"])
+        _check_measured(name, s[name]["data"])
+    assert code == 0
 
 
 def test_a_failing_step_is_recorded_and_the_next_still_runs(tmp_path: Path) -> None:
