@@ -39,6 +39,7 @@ import torch
 from kfac_bench.train.data import DataSplits, build_loaders
 
 from benchmarks.digits_report import compare, comparison_text, summarise, table
+from kfac_bench.config.kfac_adapter import build_preconditioner
 from kfac_bench.config.schema import (
     KFACConfig,
     LRScheduleConfig,
@@ -49,7 +50,6 @@ from kfac_bench.config.schema import (
 from kfac_bench.data.digits import build_digits
 from kfac_bench.models.small_cnn import build_small_cnn
 from kfac_bench.tasks.classification import ClassificationTask
-from kfac_bench.train.kfac_adapter import build_preconditioner
 from kfac_bench.train.optim import build_lr_scheduler, build_optimizer, lr_factor
 
 __all__ = ["LR_GRID", "Arm", "RunResult", "Setting", "main", "run_grid", "train_run"]

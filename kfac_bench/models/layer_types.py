@@ -1,7 +1,7 @@
 """Layer types of third-party model libraries that K-FAC can precondition, registered with the engine.
 
 The engine (``kfac_bench.kfac``) imports only torch, so it cannot know ``transformers``' classes; the harness
-registers them here, before building a preconditioner (``kfac_bench/train/kfac_adapter.py``).
+registers them here, before building a preconditioner (``kfac_bench/config/kfac_adapter.py``).
 
 * ``transformers.pytorch_utils.Conv1D`` (GPT-2's attention and MLP projections): ``y = x W + b`` with the
   weight stored as ``(in_features, out_features)``, i.e. a Linear layer with a transposed weight.

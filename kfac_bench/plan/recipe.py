@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from kfac_bench.config.compose import compose_run
+from kfac_bench.config.kfac_adapter import scaled_interval, torch_dtype
 from kfac_bench.data.batching import accumulation_steps
 from kfac_bench.errors import ConfigError, UserError
 from kfac_bench.kfac import ComputeMethod, LayerSpec, ModelScan, scan_model
@@ -62,13 +63,11 @@ class EngineSettings:
 
     def intervals(self, world_size: int) -> tuple[int, int]:
         """(factor, decomposition) update intervals in steps on ``world_size`` ranks: the recipe's values,
-        scaled by ``reference_world_size / world_size`` when set (the rule of
-        ``kfac_bench/train/kfac_adapter.py``: constant K-FAC updates per epoch, SC20 §VI-C3)."""
-        f, k = self.factor_update_steps, self.inv_update_steps
-        if self.reference_world_size is not None:
-            scale = self.reference_world_size / world_size
-            f, k = max(1, round(f * scale)), max(1, round(k * scale))
-        return f, k
+        scaled by ``reference_world_size / world_size`` when set, by the adapter's own rule."""
+        return (
+            scaled_interval(self.factor_update_steps, self.reference_world_size, world_size),
+            scaled_interval(self.inv_update_steps, self.reference_world_size, world_size),
+        )
 
 
 @dataclass
@@ -140,18 +139,6 @@ def build_meta_model(model_cfg: Any) -> nn.Module:
     return model
 
 
-def _dtype(name: str | None, key: str) -> torch.dtype | None:
-    """``kfac.<key>`` as a torch dtype (the names ``kfac_bench/train/kfac_adapter.py`` accepts)."""
-    if name is None:
-        return None
-    dtype = getattr(torch, str(name), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ConfigError(
-            f"kfac.{key}={name!r} is not a torch dtype (e.g. float32, bfloat16, float64)"
-        )
-    return dtype
-
-
 def engine_settings(
     model: nn.Module,
     *,
@@ -197,9 +184,9 @@ def _settings(model: nn.Module, kfac: Any) -> EngineSettings:
     """:func:`engine_settings` of a ``kfac`` config node (integer intervals; epoch decays not planned)."""
     return engine_settings(
         model,
-        factor_dtype=_dtype(kfac.factor_dtype, "factor_dtype"),
-        inv_dtype=_dtype(kfac.inv_dtype, "inv_dtype"),
-        comm_dtype=_dtype(kfac.comm_dtype, "comm_dtype"),
+        factor_dtype=torch_dtype(kfac.factor_dtype, "factor_dtype"),
+        inv_dtype=torch_dtype(kfac.inv_dtype, "inv_dtype"),
+        comm_dtype=torch_dtype(kfac.comm_dtype, "comm_dtype"),
         compute_method=str(kfac.compute_method.value),
         compute_eigenvalue_outer_product=bool(kfac.compute_eigenvalue_outer_product),
         colocate_factors=bool(kfac.colocate_factors),

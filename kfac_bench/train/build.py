@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from kfac_bench.config.kfac_adapter import build_preconditioner
 from kfac_bench.config.schema import Precision
 from kfac_bench.data.base import DataSplits
 from kfac_bench.data.batching import BatchPlan, plan_batches
@@ -34,7 +35,6 @@ from kfac_bench.train.checkpoint import (
     RNGState,
 )
 from kfac_bench.train.distributed import DistEnv
-from kfac_bench.train.kfac_adapter import build_preconditioner
 from kfac_bench.train.loop import Loop
 from kfac_bench.train.mlperf_facts import run_facts
 from kfac_bench.train.optim import base_lr, build_lr_scheduler, build_optimizer, lr_factor

@@ -12,10 +12,10 @@ from omegaconf import OmegaConf
 
 from kfac_bench.config import config_dir, recipes_dir
 from kfac_bench.config.compose import compose_run
+from kfac_bench.config.kfac_adapter import FROM_LOOP, HARNESS_ONLY
 from kfac_bench.config.schema import KFACConfig
 from kfac_bench.config.store import recipe_names
 from kfac_bench.errors import ConfigError
-from kfac_bench.train.kfac_adapter import FROM_LOOP, HARNESS_ONLY
 
 GROUPS = sorted(p.name for p in config_dir().iterdir() if p.is_dir() and p.name != "hydra")
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((config_dir() / g).glob("*.yaml"))]

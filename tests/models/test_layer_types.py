@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from kfac_bench.config.kfac_adapter import build_preconditioner
 from kfac_bench.config.schema import KFACConfig
 from kfac_bench.kfac import KFACPreconditioner
 from kfac_bench.models.layer_types import register_harness_layer_types
-from kfac_bench.train.kfac_adapter import build_preconditioner
 
 transformers = pytest.importorskip("transformers")
 from transformers.pytorch_utils import Conv1D  # noqa: E402

@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 
 from kfac_bench.cli import main as cli_main
 from kfac_bench.config.compose import compose_run
+from kfac_bench.config.kfac_adapter import build_preconditioner
 from kfac_bench.config.store import recipe_names
 from kfac_bench.data.batching import accumulation_steps
 from kfac_bench.data.bert import BertPretrainingDataset
@@ -28,7 +29,6 @@ from kfac_bench.data.bert_corpus import write_pydoc_corpus
 from kfac_bench.errors import ConfigError
 from kfac_bench.models.bert import BERT_KFAC_SKIP_LAYERS, build_bert, load_model_state
 from kfac_bench.train.build import build_data, instantiate
-from kfac_bench.train.kfac_adapter import build_preconditioner
 from kfac_bench.train.optim import lr_factor
 from kfac_bench.train.warm_start import locate
 from tests.harness.util import run_cli

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from kfac_bench.config import recipes_dir
 from kfac_bench.config.compose import compose_run
+from kfac_bench.config.kfac_adapter import build_preconditioner
 from kfac_bench.config.store import recipe_names
 from kfac_bench.data.batching import accumulation_steps
 from kfac_bench.data.coco_fixtures import write_tiny_coco
@@ -26,7 +27,6 @@ from kfac_bench.errors import ConfigError
 from kfac_bench.metrics.tracker import TargetTracker
 from kfac_bench.models.maskrcnn import build_maskrcnn
 from kfac_bench.train.build import build_data, instantiate
-from kfac_bench.train.kfac_adapter import build_preconditioner
 from kfac_bench.train.optim import build_lr_scheduler, lr_factor
 from tests.harness.util import run_cli
 from tests.metrics.mlperf_checker import check as mlperf_check

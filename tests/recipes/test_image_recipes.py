@@ -17,11 +17,11 @@ import torch
 from omegaconf import OmegaConf
 
 from kfac_bench.config.compose import compose_run
+from kfac_bench.config.kfac_adapter import kfac_kwargs
 from kfac_bench.config.store import recipe_names
 from kfac_bench.data.cifar import write_tiny_cifar10
 from kfac_bench.data.imagenet import write_tiny_imagenet
 from kfac_bench.train.build import build_data, instantiate
-from kfac_bench.train.kfac_adapter import kfac_kwargs
 from kfac_bench.train.optim import build_optimizer, lr_factor
 from kfac_bench.train.run import train
 from tests.harness.util import run_cli

@@ -8,9 +8,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from kfac_bench.config.kfac_adapter import epoch_step_decay, kfac_kwargs
 from kfac_bench.config.schema import KFACConfig, LRScheduleConfig
 from kfac_bench.errors import ConfigError
-from kfac_bench.train.kfac_adapter import epoch_step_decay, kfac_kwargs
 from kfac_bench.train.optim import build_optimizer, lr_factor
 
 

@@ -1,5 +1,9 @@
 """The one place where the typed K-FAC config becomes :class:`kfac_bench.kfac.KFACPreconditioner` arguments.
 
+It sits with the schemas, below the training loop, because two callers need the same mapping: the loop
+(:mod:`kfac_bench.train.build`) and the planner (:mod:`kfac_bench.plan.recipe`), which predicts a run
+from the same dtypes and intervals.
+
 Field names of :class:`~kfac_bench.config.schema.KFACConfig` are the engine's keyword names (a test keeps them
 in step). Epoch-based schedules become callables of the preconditioner's step count: the epoch is
 ``step // steps_per_epoch`` (one ``step()`` per optimizer step), so they are plain functions, identical after
@@ -57,7 +61,8 @@ def _grad_worker_fraction(value: str) -> float | str:
     return parsed.value if isinstance(parsed, DistributedStrategy) else parsed
 
 
-def _dtype(name: str | None, key: str) -> torch.dtype | None:
+def torch_dtype(name: str | None, key: str) -> torch.dtype | None:
+    """``kfac.<key>`` (a dtype name such as ``bfloat16``) as a torch dtype; None stays None."""
     if name is None:
         return None
     dtype = getattr(torch, str(name), None)
@@ -68,9 +73,17 @@ def _dtype(name: str | None, key: str) -> torch.dtype | None:
     return dtype
 
 
+def scaled_interval(base: int, reference_world_size: int | None, world_size: int) -> int:
+    """An update interval given for ``reference_world_size`` ranks, on ``world_size`` ranks: scaled by
+    their ratio (at least 1), so the number of K-FAC updates per epoch stays constant as ranks are added
+    (SC20 §VI-C3: 2000 at 16 GPUs ... 125 at 256). ``None``: the interval as given."""
+    if reference_world_size is None:
+        return base
+    return max(1, round(base * reference_world_size / world_size))
+
+
 def _interval(base: int, cfg: KFACConfig, world_size: int, steps_per_epoch: int) -> int | Callable:
-    if cfg.reference_world_size is not None:
-        base = max(1, round(base * cfg.reference_world_size / world_size))
+    base = scaled_interval(base, cfg.reference_world_size, world_size)
     if not cfg.update_interval_decay_epochs:
         return base
     decay = epoch_step_decay(
@@ -110,7 +123,7 @@ def kfac_kwargs(
     kwargs["skip_layers"] = list(cfg.skip_layers)
     kwargs["grad_worker_fraction"] = _grad_worker_fraction(cfg.grad_worker_fraction)
     for key in ("factor_dtype", "inv_dtype", "comm_dtype"):
-        kwargs[key] = _dtype(kwargs[key], key)
+        kwargs[key] = torch_dtype(kwargs[key], key)
     kwargs["factor_update_steps"] = _interval(
         cfg.factor_update_steps, cfg, world_size, steps_per_epoch
     )
