@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from kfac_bench.train.data import DataSplits, build_loaders
 
 from benchmarks.digits_report import compare, comparison_text, summarise, table
 from kfac_bench.config.schema import (
@@ -46,7 +45,9 @@ from kfac_bench.config.schema import (
     ScheduleName,
     ScheduleUnit,
 )
+from kfac_bench.data.base import DataSplits
 from kfac_bench.data.digits import build_digits
+from kfac_bench.data.loader import build_loaders
 from kfac_bench.models.small_cnn import build_small_cnn
 from kfac_bench.tasks.classification import ClassificationTask
 from kfac_bench.train.kfac_adapter import build_preconditioner
