@@ -18,8 +18,8 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)  ## create .venv and install kfac-bench (editable) with its dev extra
 
-train: $(STAMP)  ## run the main job: the bundled default (digits CNN, SGD + K-FAC, CPU)
-	$(BIN)/kfac-bench train
+train: $(STAMP)  ## run the main job: digits CNN, SGD vs SGD + K-FAC x 3 seeds, then the comparison (CPU, ~1 min)
+	$(BIN)/kfac-bench demo
 
 lint: $(STAMP)  ## ruff (lint + format check) and mypy on the library
 	$(BIN)/ruff check kfac_bench tests benchmarks

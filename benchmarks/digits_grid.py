@@ -9,7 +9,7 @@ target (evaluation excluded, as the harness's ``train_time_to_target_s``), mean 
 the lowest accuracy after the target was first reached; then (:mod:`benchmarks.digits_report`) the median
 [min-max] over seeds, each arm's best LR and each K-FAC arm at its best LR against SGD at its best LR, with
 K-FAC's step-time ratio measured on runs that ran back to back. ``--sgd-lrs`` / ``--kfac-lrs`` rerun each
-arm at its best LR only (what the demo runs): ``--sgd-lrs 0.1 --kfac-lrs 0.4``.
+arm at its best LR only (what ``kfac-bench demo`` runs): ``--sgd-lrs 0.1 --kfac-lrs 0.8``.
 
 The run is built from the harness's own parts, so its numbers carry over to ``kfac-bench train``:
 ``build_digits`` (the recipe's validation split), ``build_small_cnn``, ``build_loaders`` (the sampler and its

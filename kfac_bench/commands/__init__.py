@@ -17,6 +17,7 @@ __all__ = ["COMMANDS", "load"]
 COMMANDS: dict[str, str] = {
     "train": "train",
     "compare": "compare",
+    "demo": "demo",
     "plan": "plan",
     "prepare-bert": "prepare_bert",
     "squad-eval": "squad_eval",

@@ -1,5 +1,6 @@
-"""``kfac-bench compare``: time-to-target of several runs against the first (the baseline); the table and
-plot are :mod:`kfac_bench.metrics.compare`'s."""
+"""``kfac-bench compare``: time-to-target of arms (runs grouped by optimizer and K-FAC strategy, several
+seeds into median and spread) against a baseline (the first first-order arm unless ``--baseline`` names
+one), with a one-line verdict; the table and plot are :mod:`kfac_bench.metrics.compare`'s."""
 
 from __future__ import annotations
 
@@ -10,18 +11,20 @@ from pathlib import Path
 __all__ = ["SUMMARY", "main"]
 
 SUMMARY = """\
-  compare   compare runs: kfac-bench compare BASELINE_RUN_DIR RUN_DIR ... [--out DIR]
+  compare   compare runs by arm: kfac-bench compare RUN_DIR ... [--baseline ARM|DIR] [--out DIR]
             BERT chains: kfac-bench compare --chain lamb=P1,P2,SQUAD --chain kfac=P1,P2,SQUAD"""
 
 
 def main(args: Sequence[str]) -> int:
     """``kfac-bench compare ARGS``: writes ``compare.md``, ``compare.csv`` and ``compare.png`` to ``--out``
     and prints the table."""
-    from kfac_bench.metrics.compare import find_runs, plot, render
+    from kfac_bench.metrics.compare import find_runs, write_outputs
 
     parser = argparse.ArgumentParser(
         prog="kfac-bench compare",
-        description="Compare runs against the first (the baseline). A multirun folder adds all its runs.",
+        description="Compare runs by arm (runs of one arm and setting with different seeds: median and "
+        "spread) against a baseline, by default the first first-order arm. A multirun folder adds all "
+        "its runs.",
     )
     parser.add_argument("runs", nargs="*", help="run directories (or folders holding runs)")
     parser.add_argument(
@@ -30,6 +33,12 @@ def main(args: Sequence[str]) -> int:
         default=[],
         metavar="NAME=P1,P2,SQUAD",
         help="a BERT chain: its pretraining runs, then its SQuAD run (repeat; the first is the baseline)",
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="ARM|RUN_DIR",
+        help="the baseline: an arm's label as printed (e.g. 'SGD') or one of its run directories "
+        "(default: the first first-order arm, else the first arm)",
     )
     parser.add_argument(
         "--out", default="compare", help="folder for compare.md/.csv/.png (default: compare)"
@@ -44,13 +53,7 @@ def main(args: Sequence[str]) -> int:
     if ns.chain or not ns.runs:
         return _compare_chains(ns)
     runs = find_runs(ns.runs)
-    out = Path(ns.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compare.md").write_text(render(runs, "markdown"))
-    (out / "compare.csv").write_text(render(runs, "csv"))
-    plot(runs, out / "compare.png")
-    print(render(runs, ns.format), end="")
-    print(f"wrote {out / 'compare.md'}, {out / 'compare.csv'}, {out / 'compare.png'}")
+    print(write_outputs(runs, Path(ns.out), ns.format, ns.baseline), end="")
     return 0
 
 

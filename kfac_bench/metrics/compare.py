@@ -1,195 +1,313 @@
-"""Time-to-target of several runs against the first (the baseline), behind ``kfac-bench compare``.
+"""Time-to-target of arms against a baseline, behind ``kfac-bench compare``.
 
-Reads each run's ``summary.json`` and ``eval.jsonl``; a folder without ``summary.json`` (a Hydra multirun
-folder) contributes every run below it, in job order. Writes ``compare.md``, ``compare.csv`` and
-``compare.png`` (the target metric against wall-clock time and against epochs, one line per run, the target
-drawn) and prints the table.
+Reads each run's ``summary.json`` and ``eval.jsonl`` (:mod:`kfac_bench.metrics.runs`: a folder that is not
+a run, such as a Hydra multirun folder, contributes every run below it; cut-off files give a warning and
+the readable part). Runs are grouped by arm and setting, several seeds into median and spread
+(:mod:`kfac_bench.metrics.arms`); the baseline is the first first-order arm unless chosen. Writes
+``compare.md`` (the arms side by side and the verdict), ``compare.csv`` (one row per arm: medians, with
+``_min``/``_max`` over seeds) and ``compare.png`` (the target metric against wall-clock time and against
+epochs, one line per run, one colour per arm, the target drawn).
 """
 
 from __future__ import annotations
 
 import csv
 import io
-import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kfac_bench.errors import UserError
-from kfac_bench.metrics.sinks import EVAL_FILE, read_jsonl
-from kfac_bench.metrics.summary import SUMMARY_FILE, read_summary
+from kfac_bench.metrics.arms import Group, Spread, choose_baseline, group_runs
+from kfac_bench.metrics.runs import Run, read_run, run_dirs, warn
+from kfac_bench.metrics.verdict import Stats, group_stats, step_ratio, verdict
 
-__all__ = ["COLUMNS", "Run", "find_runs", "plot", "render", "table_rows"]
+__all__ = [
+    "COLUMNS",
+    "CSV_COLUMNS",
+    "Comparison",
+    "Run",
+    "find_runs",
+    "plot",
+    "render",
+    "table_rows",
+    "write_outputs",
+]
 
+#: One row per arm (CSV) or one line per measure with the arms side by side (terminal, Markdown).
 COLUMNS = [
     "run",
     "kfac",
     "status",
+    "seeds",
+    "reached",
     "time_to_target_s",
     "epochs_to_target",
     "time_saved_pct",
-    "best_metric",
     "mean_step_time_ms",
+    "step_time_ratio",
     "kfac_overhead_pct",
+    "final_metric",
+    "min_metric_after_target",
+    "best_metric",
     "samples_per_s",
 ]
+#: Columns given as median [min-max] over an arm's runs (the CSV adds ``_min`` and ``_max``).
+SPREAD_COLUMNS = (
+    "time_to_target_s",
+    "epochs_to_target",
+    "mean_step_time_ms",
+    "step_time_ratio",
+    "final_metric",
+    "min_metric_after_target",
+)
+CSV_COLUMNS = [
+    c
+    for col in COLUMNS
+    for c in ([col, f"{col}_min", f"{col}_max"] if col in SPREAD_COLUMNS else [col])
+]
+#: Row titles of the side-by-side table (``{m}``: the target metric) and digits after the point.
+_TITLES = {
+    "kfac": ("K-FAC strategy", None),
+    "status": ("status", None),
+    "seeds": ("seeds", None),
+    "reached": ("seeds reaching the target", None),
+    "time_to_target_s": ("time to target (s)", 2),
+    "epochs_to_target": ("epochs to target", 2),
+    "time_saved_pct": ("time saved vs baseline (%)", 1),
+    "mean_step_time_ms": ("mean step time (ms)", 1),
+    "step_time_ratio": ("step time / baseline's (K-FAC overhead)", 2),
+    "kfac_overhead_pct": ("K-FAC stages, % of training time", 1),
+    "final_metric": ("final {m}", 4),
+    "min_metric_after_target": ("min {m} after reaching the target", 4),
+    "best_metric": ("best {m}", 4),
+    "samples_per_s": ("samples/s", 0),
+}
 
 
-@dataclass
-class Run:
-    """One run directory: its label, summary and evaluation records."""
-
-    label: str
-    path: Path
-    summary: dict[str, Any]
-    evals: list[dict[str, Any]]
-
-
-def _natural(path: Path) -> list[Any]:
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(path))]
-
-
-def find_runs(paths: Sequence[str | Path]) -> list[Run]:
-    """Runs under ``paths`` in the given order (runs inside one folder in natural order: job 2 before 10).
+def find_runs(paths: Sequence[str | Path], on_warning: Callable[[str], None] = warn) -> list[Run]:
+    """The runs under ``paths`` (given order; runs in a folder in natural order), labelled by arm.
 
     Raises:
-        UserError: a path does not exist or holds no run.
+        UserError: a path does not exist or holds no readable run.
     """
-    runs: list[Run] = []
-    for given in paths:
-        root = Path(given)
-        if not root.exists():
-            raise UserError(f"run directory '{root}' does not exist")
-        dirs = (
-            [root]
-            if (root / SUMMARY_FILE).is_file()
-            else sorted((p.parent for p in root.rglob(SUMMARY_FILE)), key=_natural)
-        )
-        if not dirs:
-            raise UserError(
-                f"no run under '{root}': expected {SUMMARY_FILE} (written when a run ends)"
-            )
-        runs += [Run(d.name, d, read_summary(d), read_jsonl(d / EVAL_FILE)) for d in dirs]
-    _label_by_differences(runs)
+    runs = [r for d in run_dirs(paths) if (r := read_run(d, on_warning)) is not None]
+    if not runs:
+        raise UserError("no readable run in " + ", ".join(f"'{p}'" for p in paths))
+    group_runs(runs)
     return runs
 
 
-def _overrides(run_dir: Path) -> list[str] | None:
-    path = run_dir / ".hydra" / "overrides.yaml"
-    if not path.is_file():
-        return None
-    import yaml
+class Comparison:
+    """Arms (groups of runs) with the baseline first, their statistics and the verdict lines."""
 
-    return [str(o) for o in yaml.safe_load(path.read_text()) or []]
+    def __init__(self, runs: Sequence[Run], baseline: str | None = None) -> None:
+        groups = group_runs(runs)
+        first = choose_baseline(groups, baseline)
+        self.groups: list[Group] = [groups[first], *groups[:first], *groups[first + 1 :]]
+        self.stats: list[Stats] = [group_stats(g) for g in self.groups]
+        base = self.groups[0].runs[0].summary
+        self.metric = str(base.get("target_metric") or "metric")
+        self.target = base.get("target_value")
+        self.higher = base.get("higher_is_better", True) is not False
+
+    @property
+    def baseline(self) -> Group:
+        return self.groups[0]
+
+    def verdicts(self) -> list[str]:
+        """One line per arm against the baseline (none without a target)."""
+        if self.target is None:
+            return []
+        base = self.stats[0]
+        return [
+            verdict(s, base, self.metric, float(self.target), self.higher) for s in self.stats[1:]
+        ]
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [self._row(g, s) for g, s in zip(self.groups, self.stats)]
+
+    def _row(self, group: Group, s: Stats) -> dict[str, Any]:
+        ttt, base_ttt = s.spread("time_to_target_s"), self.stats[0].spread("time_to_target_s")
+        step = s.spread("mean_step_time_s")
+        kfac = group.runs[0].summary.get("config", {}).get("kfac") or {}
+        statuses = [str(m["status"]) for m in s.measures]
+        share = s.spread("kfac_time_fraction").median
+        spreads: dict[str, Spread] = {
+            "time_to_target_s": ttt,
+            "epochs_to_target": s.spread("epochs_to_target"),
+            "mean_step_time_ms": _scaled(step, 1000.0),
+            "step_time_ratio": step_ratio(s, self.stats[0]),
+            "final_metric": s.spread("final_metric"),
+            "min_metric_after_target": s.spread("min_metric_after_target"),
+        }
+        saved = None
+        if ttt.median is not None and base_ttt.median:
+            saved = 100.0 * (base_ttt.median - ttt.median) / base_ttt.median
+        row: dict[str, Any] = {
+            "run": group.label,
+            "kfac": "off" if group.first_order else str(kfac.get("grad_worker_fraction", "on")),
+            "status": statuses[0]
+            if len(set(statuses)) == 1
+            else ", ".join(f"{st} {statuses.count(st)}" for st in dict.fromkeys(statuses)),
+            "seeds": " ".join("-" if m["seed"] is None else str(m["seed"]) for m in s.measures),
+            "reached": f"{s.reached}/{s.n}",
+            "time_saved_pct": saved,
+            "kfac_overhead_pct": 100.0 * share if share is not None else None,
+            "best_metric": s.spread("best_metric").median,
+            "samples_per_s": s.spread("samples_per_s").median,
+            "_spreads": spreads,
+        }
+        for key, sp in spreads.items():
+            row[key], row[f"{key}_min"], row[f"{key}_max"] = sp.median, sp.low, sp.high
+        return row
 
 
-def _label_by_differences(runs: list[Run]) -> None:
-    """Label runs by the command-line overrides that differ between them (``kfac=none``), falling back to
-    the folder name, then to the path when names repeat."""
-    overrides = [_overrides(r.path) for r in runs]
-    if len(runs) > 1 and all(o is not None for o in overrides):
-        common = set.intersection(*(set(o) for o in overrides if o is not None))
-        for run, own in zip(runs, overrides, strict=True):
-            differing = [o for o in own or [] if o not in common and not o.startswith("hydra.")]
-            if differing:
-                run.label = " ".join(differing)
-    labels = [r.label for r in runs]
-    if len(set(labels)) < len(labels):
-        for r in runs:
-            r.label = str(r.path)
+def _scaled(sp: Spread, factor: float) -> Spread:
+    def scale(v: float | None) -> float | None:
+        return None if v is None else v * factor
+
+    return Spread(scale(sp.median), scale(sp.low), scale(sp.high), sp.k, sp.n)
 
 
-def _kfac_label(summary: dict[str, Any]) -> str:
-    kfac = summary.get("config", {}).get("kfac", {})
-    if not summary.get("kfac_enabled"):
-        return "off"
-    return str(kfac.get("grad_worker_fraction", "on"))
+def table_rows(runs: Sequence[Run], baseline: str | None = None) -> list[dict[str, Any]]:
+    """One row per arm (baseline first) with :data:`CSV_COLUMNS` (numbers, or None where not
+    applicable)."""
+    return [{k: r[k] for k in CSV_COLUMNS} for r in Comparison(runs, baseline).rows()]
 
 
-def table_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
-    """One row per run with the :data:`COLUMNS` (numbers, or None where not applicable)."""
-    base = runs[0].summary.get("time_to_target_s")
-    rows = []
-    for run in runs:
-        s = run.summary
-        ttt = s.get("time_to_target_s")
-        step = s.get("mean_step_time_s")
-        overhead = s.get("kfac_time_fraction")
-        rows.append(
-            {
-                "run": run.label,
-                "kfac": _kfac_label(s),
-                "status": s.get("status"),
-                "time_to_target_s": ttt,
-                "epochs_to_target": s.get("epochs_to_target"),
-                "time_saved_pct": 100.0 * (base - ttt) / base if base and ttt is not None else None,
-                "best_metric": s.get("best_metric"),
-                "mean_step_time_ms": 1000.0 * step if step is not None else None,
-                "kfac_overhead_pct": 100.0 * overhead if overhead is not None else None,
-                "samples_per_s": s.get("samples_per_s"),
-            }
-        )
-    return rows
-
-
-def _cell(key: str, value: Any, reached: bool) -> str:
+def _number(value: float | None, digits: int, key: str = "") -> str:
     if value is None:
-        if key in ("time_to_target_s", "epochs_to_target"):
-            return "not reached" if not reached else "-"
         return "-"
-    if isinstance(value, float):
-        return f"{value:+.1f}" if key == "time_saved_pct" else f"{value:.4g}"
-    return str(value)
+    text = f"{value:.{digits}f}"
+    # Epochs are whole numbers unless a run evaluates mid-epoch: 19, not 19.0.
+    return text.rstrip("0").rstrip(".") if key == "epochs_to_target" and "." in text else text
 
 
-def render(runs: Sequence[Run], fmt: str) -> str:
-    """The comparison table as ``terminal`` (aligned columns), ``markdown`` or ``csv`` text."""
-    rows = table_rows(runs)
+def _cell(key: str, row: dict[str, Any]) -> str:
+    digits = _TITLES[key][1]
+    sp: Spread | None = row["_spreads"].get(key)
+    if sp is None:
+        value = row[key]
+        if value is None:
+            return "-"
+        if key == "time_saved_pct":
+            return f"{value:+.1f}"
+        return (
+            f"{value:.{digits}f}" if isinstance(value, float) and digits is not None else str(value)
+        )
+    assert digits is not None
+    to_target = key in ("time_to_target_s", "epochs_to_target")
+    if sp.median is None:
+        if to_target:
+            return "not reached" if sp.k == 0 else f"not reached in {sp.n - sp.k}/{sp.n}"
+        return "-"
+    text = _number(sp.median, digits, key)
+    if sp.n > 1 and sp.k > 0:
+        high = "miss" if sp.high is None else _number(sp.high, digits, key)
+        low = _number(sp.low, digits, key)
+        if low != high or sp.k < sp.n:
+            text += f" [{low}-{high}]"
+    return text
+
+
+def render(runs: Sequence[Run], fmt: str, baseline: str | None = None) -> str:
+    """The comparison as ``terminal`` (aligned text), ``markdown`` (both with the arms side by side and the
+    verdict) or ``csv`` (one row per arm) text."""
+    cmp = Comparison(runs, baseline)
+    rows = cmp.rows()
     if fmt == "csv":
         out = io.StringIO()
-        writer = csv.DictWriter(out, fieldnames=COLUMNS, lineterminator="\n")
+        writer = csv.DictWriter(
+            out, fieldnames=CSV_COLUMNS, lineterminator="\n", extrasaction="ignore"
+        )
         writer.writeheader()
         writer.writerows(rows)
         return out.getvalue()
-    cells = [
-        [_cell(k, r[k], bool(run.summary.get("reached_target"))) for k in COLUMNS]
-        for r, run in zip(rows, runs)
-    ]
-    target = runs[0].summary
-    title = f"target: {target.get('target_metric')} {target.get('target_value')} (baseline: {runs[0].label})"
+    title = f"target: {cmp.metric} {cmp.target} (baseline: {cmp.baseline.label})"
+    several = any(len(g.runs) > 1 for g in cmp.groups)
+    note = "; median [min-max] over seeds" if several else ""
+    head = ["arm", *(r["run"] for r in rows)]
+    lines = [head]
+    for key in COLUMNS[1:]:
+        lines.append([_TITLES[key][0].format(m=cmp.metric), *(_cell(key, r) for r in rows)])
+    verdicts = cmp.verdicts()
     if fmt == "markdown":
-        lines = [f"**{title}**", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-        lines += ["| " + " | ".join(c) + " |" for c in cells]
-        return "\n".join(lines) + "\n"
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(COLUMNS)]
-    lines = [title, "  ".join(h.ljust(w) for h, w in zip(COLUMNS, widths))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
-    return "\n".join(lines) + "\n"
+        md = [f"**{title}**{note}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        md += ["| " + " | ".join(cells) + " |" for cells in lines[1:]]
+        md += [""] + [f"**Verdict:** {v}" for v in verdicts]
+        return "\n".join(md) + "\n"
+    widths = [max(len(cells[i]) for cells in lines) for i in range(len(head))]
+    text = [title + note]
+    text += ["  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip() for cells in lines]
+    text += [f"verdict: {v}" for v in verdicts]
+    return "\n".join(text) + "\n"
 
 
-def plot(runs: Sequence[Run], path: Path) -> Path:
-    """PNG: the target metric against wall-clock seconds (left) and epochs (right), target as a line."""
+def plot(runs: Sequence[Run], path: Path, baseline: str | None = None) -> Path:
+    """PNG: the target metric against wall-clock seconds (left) and epochs (right), one colour per arm,
+    target as a line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metric = runs[0].summary.get("target_metric", "metric")
-    target = runs[0].summary.get("target_value")
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
-    for run in runs:
-        points = [r for r in run.evals if metric in r["metrics"]]
-        values = [r["metrics"][metric] for r in points]
-        axes[0].plot([r["wall_time_s"] for r in points], values, marker=".", label=run.label)
-        axes[1].plot([r["epoch"] for r in points], values, marker=".", label=run.label)
+    cmp = Comparison(runs, baseline)
+    metric, target = cmp.metric, cmp.target
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), constrained_layout=True)
+    for i, group in enumerate(cmp.groups):
+        color = f"C{i % 10}"
+        for j, run in enumerate(group.runs):
+            points = [r for r in run.evals if metric in r["metrics"]]
+            values = [r["metrics"][metric] for r in points]
+            style = {"color": color, "marker": ".", "alpha": 0.85, "linewidth": 1.2}
+            label = group.label if j == 0 else None
+            axes[0].plot([r["wall_time_s"] for r in points], values, label=label, **style)
+            axes[1].plot([r["epoch"] for r in points], values, label=label, **style)
     for ax, xlabel in zip(axes, ("wall-clock time (s)", "epochs")):
         if target is not None:
             ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target}")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8)
+    _zoom(
+        axes,
+        [v for run in runs for r in run.evals if (v := r["metrics"].get(metric)) is not None],
+        target,
+        cmp.higher,
+    )
+    axes[1].legend(fontsize=8, loc="lower right")
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _zoom(axes: Any, values: list[float], target: Any, higher: bool) -> None:
+    """Show the approach to an accuracy-like target (in (0, 1), higher is better) rather than the first
+    epochs' climb: the y axis starts ten times the target's distance to 1 below the target."""
+    if target is None or not higher or not 0 < float(target) < 1 or not values:
+        return
+    gap = 1 - float(target)
+    bottom = max(min(values), float(target) - 10 * gap)
+    top = min(max(values) + gap, 1 + gap / 2)
+    for ax in axes:
+        ax.set_ylim(bottom, top)
+
+
+def write_outputs(
+    runs: Sequence[Run], out: Path, fmt: str = "terminal", baseline: str | None = None
+) -> str:
+    """Write ``compare.md``, ``compare.csv`` and ``compare.png`` to ``out``; returns the table in ``fmt``
+    followed by a line naming the files.
+
+    Raises:
+        UserError: ``baseline`` matches no arm.
+    """
+    Comparison(runs, baseline)  # an unknown baseline stops before anything is written
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.md").write_text(render(runs, "markdown", baseline))
+    (out / "compare.csv").write_text(render(runs, "csv", baseline))
+    plot(runs, out / "compare.png", baseline)
+    files = ", ".join(str(out / f) for f in ("compare.md", "compare.csv", "compare.png"))
+    return render(runs, fmt, baseline) + f"wrote {files}\n"

@@ -63,7 +63,7 @@ def test_recipe_values_win_over_defaults_and_command_line_wins_over_recipe() -> 
 
 def test_a_selected_recipe_replaces_the_default_one_as_a_whole() -> None:
     default = compose_run([])
-    assert list(default.lr_schedule.milestones) == [5, 8] and dict(default.train.targets) == {
+    assert list(default.lr_schedule.milestones) == [25] and dict(default.train.targets) == {
         "top1": 0.985
     }
     assert default.train.cpu_threads == 1

@@ -145,7 +145,8 @@ def test_multirun_sweep_then_compare_the_sweep_folder(tmp_path: Path) -> None:
     result = run_cli("compare", "sweep", "--out", "cmp", "--format", "csv", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     rows = result.stdout.splitlines()
-    assert rows[1].startswith("kfac=none,off,success,") and rows[2].startswith(
-        "kfac=comm_opt,comm_opt,success,"
+    # Labelled by arm; the first-order arm is the baseline.
+    assert rows[1].startswith("SGD,off,success,") and rows[2].startswith(
+        "SGD + K-FAC (COMM-OPT),comm_opt,success,"
     )
     assert (tmp_path / "cmp" / "compare.png").stat().st_size > 1000

@@ -11,7 +11,7 @@ import matplotlib.image
 import pytest
 
 from kfac_bench.errors import UserError
-from kfac_bench.metrics.compare import COLUMNS, find_runs, render, table_rows
+from kfac_bench.metrics.compare import COLUMNS, CSV_COLUMNS, find_runs, render, table_rows
 from kfac_bench.train.run import train
 from tests.harness.util import run_cli, tiny_cfg
 
@@ -41,14 +41,21 @@ def test_rows_compute_savings_against_the_first_run(two_runs: tuple[Path, Path, 
 
 def test_formats(two_runs: tuple[Path, Path, Path]) -> None:
     runs = find_runs(list(two_runs))
-    terminal = render(runs, "terminal")
-    assert "not reached" in terminal.splitlines()[-1] and "baseline: sgd" in terminal
+    # Labelled by arm; the two SGD runs differ in their target, which their labels name.
+    sgd, kfac = "SGD (train.targets.top1=0.0)", "SGD + K-FAC (COMM-OPT)"
+    never = "SGD (train.targets.top1=1.01)"
+    terminal = render(runs, "terminal").splitlines()
+    assert "baseline: " + sgd in terminal[0]
+    assert terminal[1].split() == ["arm", *sgd.split(), *kfac.split(), *never.split()]
+    reached = next(line for line in terminal if line.startswith("time to target (s)"))
+    assert reached.endswith("not reached")
+    assert terminal[-1].startswith(f"verdict: {never} reached top1 >= 0 in 0/1 seeds")
     markdown = render(runs, "markdown").splitlines()
-    assert markdown[2] == "| " + " | ".join(COLUMNS) + " |" and len(markdown) == 4 + 3
+    assert markdown[2] == f"| arm | {sgd} | {kfac} | {never} |"
+    assert len(markdown) == 4 + len(COLUMNS) - 1 + 1 + 2  # title, header, rows, blank, 2 verdicts
     parsed = list(csv.DictReader(io.StringIO(render(runs, "csv"))))
-    assert [r["run"] for r in parsed] == ["sgd", "kfac", "never"] and parsed[2][
-        "time_to_target_s"
-    ] == ""
+    assert [r["run"] for r in parsed] == [sgd, kfac, never]
+    assert parsed[2]["time_to_target_s"] == "" and list(parsed[0]) == CSV_COLUMNS
 
 
 def test_cli_writes_table_and_a_png_that_opens(
