@@ -31,6 +31,7 @@ calls have their gradient, so that the reduction of its factors overlaps the res
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -123,16 +124,22 @@ class Capture:
                 call = Call(layer.handler.a_gram(module, x, self.factor_dtype, layer.bias))
             layer.calls.append(call)
             # A prehook on the node that produced the output sees dL/d(output) even when the output
-            # is later modified in place (e.g. an inplace ReLU), unlike a tensor hook.
-            output.grad_fn.register_prehook(self._grad_hook(layer, call, output.output_nr))
+            # is later modified in place (e.g. an inplace ReLU), unlike a tensor hook. It refers to the
+            # call weakly: the graph (and its hooks) outlives the backward pass while the loss is alive,
+            # and must not keep the call's input gram alive after it is folded in or dropped.
+            output.grad_fn.register_prehook(
+                self._grad_hook(layer, weakref.ref(call), output.output_nr)
+            )
 
         return hook
 
     def _grad_hook(
-        self, layer: LayerState, call: Call, index: int
+        self, layer: LayerState, ref: weakref.ref[Call], index: int
     ) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
         def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
-            if call.done or call not in layer.calls:  # a second backward through a retained graph
+            call = ref()
+            # Gone or done: dropped by start_step(), or a second backward through a retained graph.
+            if call is None or call.done or call not in layer.calls:
                 return
             call.done = True
             layer.calls.remove(call)

@@ -108,64 +108,101 @@ def plan_buckets(
     return buckets
 
 
+@dataclass(eq=False)
+class InFlight:
+    """A launched bucket: what :meth:`StepReduction.finish` needs to unpack it (never the source factors),
+    its flat buffer and the collective's handle."""
+
+    bucket: Bucket
+    dims: list[int]
+    dtype: torch.dtype
+    flat: torch.Tensor
+    work: dist.Work
+
+
 class StepReduction:
     """One step's averaging of batch factors across ranks, overlapping the backward pass.
 
     Buckets follow a fixed plan, the same on every rank. A bucket is launched (asynchronously) as soon as
     all its factors have been added and every earlier bucket has been launched, so the launch order is
-    identical on every rank even if factors became ready in a different order. :meth:`finish` launches
-    what is left (with only the factors present: a layer that did not run is absent on every rank alike),
-    waits, and returns ``key -> averaged factor`` for all-reduced keys and keys reduced to this rank.
+    identical on every rank even if factors became ready in a different order. Launching packs the bucket's
+    factors into one flat buffer and drops them: from then on only that buffer holds them. :meth:`finish`
+    launches what is left (with only the factors present: a layer that did not run is absent on every rank
+    alike), waits, and returns ``key -> averaged factor`` for all-reduced keys and keys reduced to this rank,
+    averaged in the buffer itself and viewed out of it where the layout allows.
     """
 
     def __init__(self, comm: Communicator, plan: list[Bucket]) -> None:
         self.comm = comm
         self.plan = plan
+        #: Batch factors added but not yet packed into a launched bucket.
         self.tensors: dict[str, torch.Tensor] = {}
         self.next = 0
-        self.pending: list[tuple[Bucket, torch.Tensor, dist.Work]] = []
+        self.pending: list[InFlight] = []
+
+    def waiting_bytes(self) -> int:
+        """Bytes of the batch factors added and not yet packed (their bucket is incomplete)."""
+        return _nbytes(*self.tensors.values())
+
+    def inflight_bytes(self) -> int:
+        """Bytes of the flat buffers of the launched buckets, not yet finished."""
+        return _nbytes(*(f.flat for f in self.pending))
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
         """A factor is final for this step: launch every bucket that is now complete, in plan order."""
-        self.tensors[key] = tensor
+        self.hold(key, tensor)
         while self.next < len(self.plan) and all(
             k in self.tensors for k in self.plan[self.next].keys
         ):
             self._launch(self.plan[self.next])
             self.next += 1
 
+    def hold(self, key: str, tensor: torch.Tensor) -> None:
+        """A factor is final for this step, to be sent by :meth:`finish` (launches nothing now)."""
+        self.tensors[key] = tensor
+
     def finish(
-        self, items: Sequence[tuple[str, torch.Tensor, int | None]]
+        self, items: Sequence[tuple[str, torch.Tensor, int | None]] = ()
     ) -> dict[str, torch.Tensor]:
+        """Hold the remaining ``(key, factor, dst)`` items, launch what is left, wait, and unpack."""
         for key, t, _ in items:
-            self.tensors[key] = t
+            self.hold(key, t)
         if not self.comm.distributed:
-            return dict(self.tensors)
+            local, self.tensors = self.tensors, {}
+            return local
         for b in self.plan[self.next :]:
             present = [k for k in b.keys if k in self.tensors]
             if present:
                 self._launch(Bucket(present, b.dst))
         self.next = len(self.plan)
         out: dict[str, torch.Tensor] = {}
-        for b, flat, work in self.pending:
-            work.wait()
-            if b.dst is not None and b.dst != self.comm.rank:
-                continue
-            flat = flat.to(self.tensors[b.keys[0]].dtype) / self.comm.world_size
-            offset = 0
-            for key in b.keys:
-                t = self.tensors[key]
-                n = t.shape[0] * (t.shape[0] + 1) // 2 if self.comm.symmetry_aware else t.numel()
-                part = flat[offset : offset + n]
-                offset += n
-                out[key] = (
-                    unpack_triu(part, t.shape[0]) if self.comm.symmetry_aware else part.view_as(t)
-                )
+        while self.pending:  # each bucket released as soon as it is unpacked
+            f = self.pending.pop(0)
+            f.work.wait()
+            if f.bucket.dst is None or f.bucket.dst == self.comm.rank:
+                out.update(self._unpack(f))
+        return out
+
+    def _unpack(self, f: InFlight) -> dict[str, torch.Tensor]:
+        """The averaged factors of a finished bucket: the sum divided in place (in a factor-dtype copy when
+        it travelled in another dtype), full factors as views of it, triangles unpacked into new matrices."""
+        flat = f.flat if f.flat.dtype == f.dtype else f.flat.to(f.dtype)
+        flat.div_(self.comm.world_size)
+        out = {}
+        offset = 0
+        for key, d in zip(f.bucket.keys, f.dims):
+            n = d * (d + 1) // 2 if self.comm.symmetry_aware else d * d
+            part = flat[offset : offset + n]
+            offset += n
+            out[key] = unpack_triu(part, d) if self.comm.symmetry_aware else part.view(d, d)
         return out
 
     def _launch(self, b: Bucket) -> None:
-        flat, work = self.comm._launch(b, self.tensors)
-        self.pending.append((b, flat, work))
+        tensors = [self.tensors.pop(k) for k in b.keys]
+        flat, work = self.comm._launch(b, tensors)
+        self.pending.append(
+            InFlight(b, [t.shape[0] for t in tensors], tensors[0].dtype, flat, work)
+        )
 
 
 class Communicator:
@@ -254,12 +291,10 @@ class Communicator:
         """Average all ``(key, factor, dst)`` items at once (see :class:`StepReduction`)."""
         return self.start_reduction().finish(items)
 
-    def _launch(
-        self, b: Bucket, tensors: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, dist.Work]:
-        parts = [
-            pack_triu(tensors[k]) if self.symmetry_aware else tensors[k].reshape(-1) for k in b.keys
-        ]
+    def _launch(self, b: Bucket, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dist.Work]:
+        """Pack ``tensors`` (the factors of ``b``, in its key order) into one flat buffer, start its
+        collective, and return both."""
+        parts = [pack_triu(t) if self.symmetry_aware else t.reshape(-1) for t in tensors]
         flat = torch.cat(parts)
         if self.comm_dtype is not None:
             flat = flat.to(self.comm_dtype)

@@ -20,12 +20,11 @@ import torch
 from .comm import Communicator, StepReduction
 from .factors import running_average
 from .log import WarnOnce
-from .options import FactorReduction, FactorScaling
+from .options import FactorScaling
 from .second_order import SecondOrderMethod
 from .state import LayerState
 from .timing import StageTimer
 
-Batch = list[tuple[str, torch.Tensor, int | None]]  # (key "<layer>/a", factor, reduction target)
 _NOT_RUN, _FAILED = 1, 2  # why a rank cannot provide a layer's part (the larger wins across ranks)
 
 
@@ -39,7 +38,6 @@ class Curvature:
         method: SecondOrderMethod,
         *,
         scaling: FactorScaling,
-        reduction: FactorReduction,
         timer: StageTimer,
         warn: WarnOnce,
     ) -> None:
@@ -47,7 +45,6 @@ class Curvature:
         self.comm = comm
         self.method = method
         self.scaling = scaling
-        self.reduction = reduction
         self.timer = timer
         self.warn = warn
         self._step_reduction: StepReduction | None = None
@@ -64,40 +61,37 @@ class Curvature:
             if f is not None:
                 self._step_reduction.add(f"{layer.name}/{kind}", f)
 
-    def comm_bytes(self) -> int:
-        """Bytes of the factor buckets in flight (launched from the hooks, not yet finished)."""
+    def reduction_bytes(self) -> tuple[int, int]:
+        """Bytes of this step's reduction: batch factors handed to it and not yet packed (their bucket is
+        incomplete), and the flat buffers of the buckets in flight (launched from the hooks, not finished)."""
         r = self._step_reduction
-        return 0 if r is None else sum(f.numel() * f.element_size() for _, f, _ in r.pending)
+        return (0, 0) if r is None else (r.waiting_bytes(), r.inflight_bytes())
 
     def update_factors(self, decay: float) -> None:
         """Batch factors of this step -> averaged across ranks -> folded into the running averages."""
+        reduction, self._step_reduction = self._step_reduction, None
+        reduction = reduction or self.comm.start_reduction()
         with self.timer("factor"):
-            local = self._batch_factors()
+            self._hand_over(reduction)
         with self.timer("factor_comm"):
-            reduction, self._step_reduction = self._step_reduction, None
-            reduced = (reduction or self.comm.start_reduction()).finish(local)
+            reduced = reduction.finish()
         with self.timer("factor"):
             self._update_running_factors(reduced, decay)
 
-    def _batch_factors(self) -> Batch:
-        """Normalised batch factors of this step, keyed ``"<layer>/a"``, with their reduction target."""
-        items: Batch = []
-        reduce = self.reduction is FactorReduction.REDUCE
+    def _hand_over(self, reduction: StepReduction) -> None:
+        """Give ``reduction`` the normalised batch factors the hooks did not hand over (keyed
+        ``"<layer>/a"``); only the reduction keeps them, so packing a bucket frees its factors."""
         for name, layer in self.layers.items():
-            assert layer.work is not None
-            for kind, acc, owner, is_g in (
-                ("a", layer.a_batch, layer.work.a_owner, False),
-                ("g", layer.g_batch, layer.work.g_owner, True),
-            ):
+            for kind, acc, is_g in (("a", layer.a_batch, False), ("g", layer.g_batch, True)):
                 f = acc.pop(self.scaling, is_g)
                 if f is not None:
-                    items.append((f"{name}/{kind}", f, owner if reduce else None))
-        return items
+                    reduction.hold(f"{name}/{kind}", f)
 
     def _update_running_factors(self, batch: dict[str, torch.Tensor], decay: float) -> None:
+        """Fold ``batch`` (consumed: a bucket's buffer is freed once its last factor is folded in)."""
         for name, layer in self.layers.items():
             for kind in ("a", "g"):
-                f = batch.get(f"{name}/{kind}")
+                f = batch.pop(f"{name}/{kind}", None)
                 if f is None:
                     continue
                 attr = f"{kind}_factor"

@@ -178,7 +178,6 @@ class KFACPreconditioner:
             self.comm,
             self.method,
             scaling=self.factor_scaling,
-            reduction=self.factor_reduction,
             timer=self.timer,
             warn=self._warn,
         )
@@ -351,16 +350,19 @@ class KFACPreconditioner:
           ``inverse``, plus the outer products; from the first decomposition step.
         * ``outer_products``: ``eigen`` with ``compute_eigenvalue_outer_product``: ``g_dim·a_dim`` per layer
           on its gradient workers, in ``inv_dtype`` promoted to at least float32.
-        * ``batch_buffers``: this step's accumulated sums, ``d²`` per factor of each layer that ran (in
-          ``factor_dtype``), plus ``a_dim²`` per forward call still waiting for its backward pass; at the
-          peak of a backward pass with one call per layer: ``a_dim² + g_dim²`` per layer (``2·a_dim²`` for A
-          during accumulation, when the pending call coexists with the running sum).
-        * ``comm_buffers``: flat buffers of factor buckets in flight, from the first bucket launched in the
-          last backward pass to ``step()``: ``d²`` (``d(d+1)/2`` with ``symmetry_aware``) per factor, in
-          ``comm_dtype``; 0 at other times and in single-process runs. Receive buffers of decomposition and
-          gradient broadcasts are the decompositions and the gradients themselves.
+        * ``batch_buffers``: batch factors not yet packed for communication, in ``factor_dtype``: the
+          accumulated sums (``d²`` per factor of each layer that ran), ``a_dim²`` per forward call waiting for
+          its backward pass and, in a distributed factor step's last backward pass, the normalised factors
+          handed to the reduction whose bucket is incomplete (``d²`` each). Peak: ``2·a_dim² + g_dim²`` per
+          layer after the last forward while micro-batches accumulate; else ``a_dim² + g_dim²`` per layer from
+          the backward pass to ``step()`` in one process; distributed, during the backward pass, 0 at its end.
+        * ``comm_buffers``: flat buffers of the launched factor buckets, ``d²`` (``d(d+1)/2`` with
+          ``symmetry_aware``) per factor in ``comm_dtype``, from a bucket's launch in a factor step's last
+          backward pass to ``step()`` (all of them at the end of that pass; 0 otherwise and in one process).
+          Packing frees a bucket's factors and ``step()`` averages in place, so at the end of the pass
+          ``buffers`` is the buckets alone. Broadcasts receive into the decompositions and gradients.
         """
-        return memory_by_category(self.layers.values(), self.curvature.comm_bytes())
+        return memory_by_category(self.layers.values(), *self.curvature.reduction_bytes())
 
     def coverage(self) -> Coverage:
         """Which share of the model K-FAC preconditions and what it left out, by reason

@@ -103,8 +103,12 @@ def result_bytes(r: Result | None) -> int:
     return 0 if r is None else tensor_bytes(*r.values())
 
 
-def memory_by_category(layers: Iterable[LayerState], comm_bytes: int) -> dict[str, int]:
-    """Bytes held per category (see ``KFACPreconditioner.memory_usage`` for what each counts)."""
+def memory_by_category(
+    layers: Iterable[LayerState], handed_bytes: int, comm_bytes: int
+) -> dict[str, int]:
+    """Bytes held per category (see ``KFACPreconditioner.memory_usage`` for what each counts);
+    ``handed_bytes``: batch factors handed to the reduction, not yet packed; ``comm_bytes``: buckets in
+    flight."""
     out = dict.fromkeys(("factors", "decompositions", "outer_products", "batch_buffers"), 0)
     for s in layers:
         out["factors"] += tensor_bytes(s.a_factor, s.g_factor)
@@ -116,6 +120,7 @@ def memory_by_category(layers: Iterable[LayerState], comm_bytes: int) -> dict[st
             s.a_batch.total, s.g_batch.total, *(c.a.sum for c in s.calls)
         )
         out["batch_buffers"] += sum(tensor_bytes(a.sum, g.sum) for a, g in s.group)
+    out["batch_buffers"] += handed_bytes
     out["comm_buffers"] = comm_bytes
     out["buffers"] = out["batch_buffers"] + comm_bytes
     out["total"] = out["factors"] + out["decompositions"] + out["buffers"]

@@ -21,7 +21,7 @@ import torch
 
 from kfac_bench.kfac import FactorReduction, LayerSpec, Placement
 from kfac_bench.kfac.assignment import LayerShape, LayerWork, assign
-from kfac_bench.kfac.comm import factor_entries, plan_buckets
+from kfac_bench.kfac.comm import Bucket, factor_entries, plan_buckets
 from kfac_bench.kfac.options import ComputeMethod
 
 from .recipe import EngineSettings
@@ -31,15 +31,17 @@ __all__ = [
     "WHEN",
     "RankLoads",
     "Scenario",
+    "buffer_peaks",
     "equal_group_workers",
     "rank_loads",
     "row_dict",
     "strategy_name",
 ]
 
-#: Memory categories of ``KFACPreconditioner.memory_usage()`` (``outer_products`` is part of
-#: ``decompositions``; ``batch_buffers`` and ``comm_buffers`` are the two kinds of ``buffers``).
-MEMORY = ("factors", "decompositions", "outer_products", "batch_buffers", "comm_buffers")
+#: Memory categories of ``KFACPreconditioner.memory_usage()``, each at its peak (``outer_products`` is part
+#: of ``decompositions``; ``batch_buffers`` and ``comm_buffers`` are the two kinds of ``buffers``, whose
+#: peak is that of their sum: the two peak at different moments unless factors accumulate in one process).
+MEMORY = ("factors", "decompositions", "outer_products", "batch_buffers", "comm_buffers", "buffers")
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -102,9 +104,10 @@ class RankLoads:
     precondition_flops: list[float] = field(default_factory=list)
 
     def total_memory(self) -> list[int]:
+        """Each rank's peak of ``memory_usage()["total"]`` once factors and decompositions exist."""
         m = self.memory
         return [
-            m["factors"][r] + m["decompositions"][r] + m["batch_buffers"][r] + m["comm_buffers"][r]
+            m["factors"][r] + m["decompositions"][r] + m["buffers"][r]
             for r in range(self.scenario.world_size)
         ]
 
@@ -143,7 +146,6 @@ def rank_loads(
     flops = [0.0] * n
     reduce = scenario.reduction is FactorReduction.REDUCE
     gemm = 4 if settings.compute_method is ComputeMethod.EIGEN else 2  # triple products per step
-    extra_a = accumulation_steps > 1
     for w in work.values():
         owned[w.a_owner].append(w.a_dim)
         owned[w.g_owner].append(w.g_dim)
@@ -161,32 +163,35 @@ def rank_loads(
             if len(w.grad_workers) > 1:
                 payload["decomposition_broadcast"][r] += held
                 calls["decomposition_broadcast"][r] += len(parts)
-    # What every rank holds or sends alike: all running factors (all-reduce); its batch factors of every
-    # layer, A's pending call coexisting with the running sum while micro-batches accumulate
-    # (KFACPreconditioner.memory_usage); a preconditioned-gradient broadcast per layer when m < world.
-    everywhere = {
-        "factors": 0 if reduce else f_size * sum(w.a_dim**2 + w.g_dim**2 for w in work.values()),
-        "batch_buffers": f_size
-        * sum(w.a_dim**2 * (1 + extra_a) + w.g_dim**2 for w in work.values()),
-    }
+    # What every rank holds or sends alike: all running factors (all-reduce); the buffers of a factor step,
+    # as every rank packs every bucket, reduce targets or not; a preconditioned-gradient broadcast per layer
+    # when m < world.
+    buckets = (
+        plan_buckets(
+            factor_entries(work, reduce), f_size, settings.bucket_cap_mb, settings.symmetry_aware
+        )
+        if n > 1
+        else []
+    )
+    c_size = _size(settings.comm_dtype)
+    everywhere = dict(
+        zip(
+            ("batch_buffers", "comm_buffers", "buffers"),
+            buffer_peaks(work, buckets, f_size, c_size, accumulation_steps),
+        )
+    )
+    everywhere["factors"] = (
+        0 if reduce else f_size * sum(w.a_dim**2 + w.g_dim**2 for w in work.values())
+    )
     for key, value in everywhere.items():
         memory[key] = [v + value for v in memory[key]]
     if scenario.grad_workers < n:
         payload["grad_broadcast"] = [g_size * sum(w.g_dim * w.a_dim for w in work.values())] * n
         calls["grad_broadcast"] = [len(work)] * n
-    if n > 1:
-        buckets = plan_buckets(
-            factor_entries(work, reduce),
-            f_size,
-            settings.bucket_cap_mb,
-            settings.symmetry_aware,
-        )
-        wire = _size(settings.comm_dtype) * sum(b.numel for b in buckets)
+    if buckets:
         kind = "factor_reduce" if reduce else "factor_allreduce"
-        for r in range(n):
-            memory["comm_buffers"][r] = wire  # every rank packs every bucket, reduce targets or not
-            payload[kind][r] = wire
-            calls[kind][r] = len(buckets)
+        payload[kind] = [c_size * sum(b.numel for b in buckets)] * n
+        calls[kind] = [len(buckets)] * n
     return RankLoads(
         scenario=scenario,
         work=work,
@@ -198,6 +203,43 @@ def rank_loads(
         calls={k: v for k, v in calls.items() if any(v)},
         precondition_flops=flops,
     )
+
+
+def buffer_peaks(
+    work: dict[str, LayerWork],
+    buckets: Sequence[Bucket],
+    f_size: int,
+    c_size: int,
+    accumulation_steps: int,
+) -> tuple[int, int, int]:
+    """Peaks of ``batch_buffers``, ``comm_buffers`` and their sum over a factor step, at the moments
+    ``memory_usage()`` can be read: after the last forward pass and after each layer's gradient hook in
+    the last backward pass (KFACPreconditioner.memory_usage gives what each category holds).
+
+    The backward pass is taken to reach the layers in the reverse of their registration order, the order
+    of the bucket plan (``buckets``: :func:`~kfac_bench.kfac.comm.plan_buckets`, empty for one process);
+    ``f_size``, ``c_size``: bytes per element of the factor and the communication dtype.
+    """
+    # Accumulating: the earlier micro-batches' sums, beside the last one's pending input factor.
+    extra = accumulation_steps > 1
+    dims = {f"{n}/{k}": d for n, w in work.items() for k, d in (("a", w.a_dim), ("g", w.g_dim))}
+    batch = f_size * sum(w.a_dim**2 + extra * (w.a_dim**2 + w.g_dim**2) for w in work.values())
+    comm, launched = 0, 0
+    handed: set[str] = set()
+    peaks = [batch, comm, batch + comm]
+    for name, w in reversed(list(work.items())):
+        a2, g2 = w.a_dim**2, w.g_dim**2
+        if not buckets:  # one process: the call is folded into the sums, kept until step()
+            batch += f_size * (g2 - extra * a2)
+        else:  # the sums and the pending call become the normalised factors, handed to the reduction
+            batch += f_size * (g2 - extra * (a2 + g2))
+            handed |= {f"{name}/g", f"{name}/a"}
+            while launched < len(buckets) and handed.issuperset(buckets[launched].keys):
+                batch -= f_size * sum(dims[k] ** 2 for k in buckets[launched].keys)
+                comm += c_size * buckets[launched].numel
+                launched += 1
+        peaks = [max(peaks[0], batch), max(peaks[1], comm), max(peaks[2], batch + comm)]
+    return peaks[0], peaks[1], peaks[2]
 
 
 def _span(values: Sequence[float]) -> dict[str, Any]:

@@ -172,7 +172,7 @@ def _line(row: dict[str, Any]) -> str:
         row["memory_bytes_per_rank"],
         row["comm_bytes"],
     )
-    buffers = mem["batch_buffers"]["max"] + mem["comm_buffers"]["max"]
+    buffers = mem["buffers"]["max"]
     return (
         f"  {row['strategy']:<10} {_fraction(row):>6} {row['placement']:<11} "
         f"{row['factor_reduction']:<9} | {_count(fe['min']):>8}..{_count(fe['max']):<7} | "
@@ -197,8 +197,8 @@ def render(plan: dict[str, Any]) -> str:
         f"buckets {s['allreduce_bucket_cap_mb']:g} MB, "
         f"intervals {s['factor_update_steps']}/{s['inv_update_steps']}"
         f"{' at reference world ' + str(s['reference_world_size']) if s['reference_world_size'] else ''}",
-        f"per rank: min..max over ranks, else the fullest rank; buffers = batch factors + in-flight factor "
-        f"buckets at the end of a factor step's backward pass; ms/step: {plan['rates']['source']}",
+        f"per rank: min..max over ranks, else the fullest rank; buffers = peak of batch factors + in-flight "
+        f"factor buckets over a factor step; ms/step: {plan['rates']['source']}",
     ]
     for n in sorted({r["world_size"] for r in plan["rows"]}):
         here = [r for r in plan["rows"] if r["world_size"] == n]
