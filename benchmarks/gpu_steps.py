@@ -34,17 +34,11 @@ class Context(Protocol):
 
 def child_env() -> dict[str, str]:
     """This environment for a child process: the repository importable, no outer torchrun/SLURM job."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    from kfac_bench.train.launch import outside_job_env
+
+    env = outside_job_env()
+    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    for key in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "TORCHELASTIC_RUN_ID",
-        "SLURM_NTASKS",
-        "SLURM_PROCID",
-    ):
-        env.pop(key, None)
     return env
 
 

@@ -12,13 +12,38 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["inside_launched_worker", "launch_torchrun", "torchrun_args"]
+__all__ = [
+    "JOB_ENV_KEYS",
+    "inside_launched_worker",
+    "launch_torchrun",
+    "outside_job_env",
+    "torchrun_args",
+]
+
+#: The variables by which a process knows it is a rank of a torchrun or SLURM job.
+JOB_ENV_KEYS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+)
 
 
 def inside_launched_worker(env: Mapping[str, str] | None = None) -> bool:
     """Whether this process is already a rank of a torchrun/SLURM job (then it just trains)."""
     env = os.environ if env is None else env
     return "TORCHELASTIC_RUN_ID" in env or "RANK" in env or int(env.get("SLURM_NTASKS", "1")) > 1
+
+
+def outside_job_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``env`` (default: this process's) for a child that must start as a job of its own, not as
+    a rank of the torchrun/SLURM job this process may belong to."""
+    out = dict(os.environ if env is None else env)
+    for key in JOB_ENV_KEYS:
+        out.pop(key, None)
+    return out
 
 
 def torchrun_args(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from kfac_bench.config.compose import compose_run
+from kfac_bench.train.launch import outside_job_env
 
 #: A digits run of 2 epochs x 6 steps on an 8-channel CNN, single thread (the machine is shared).
 TINY = [
@@ -29,17 +29,8 @@ def tiny_cfg(*overrides: str) -> DictConfig:
 
 
 def cli_env() -> dict[str, str]:
-    env = dict(os.environ)
+    env = outside_job_env()
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
-    for key in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "TORCHELASTIC_RUN_ID",
-        "SLURM_NTASKS",
-        "SLURM_PROCID",
-    ):
-        env.pop(key, None)
     return env
 
 

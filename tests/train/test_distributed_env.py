@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kfac_bench.train.distributed import detect, first_host
-from kfac_bench.train.launch import inside_launched_worker, torchrun_args
+from kfac_bench.train.launch import inside_launched_worker, outside_job_env, torchrun_args
 
 
 def test_torchrun_variables() -> None:
@@ -59,3 +59,21 @@ def test_launcher_detects_workers_and_builds_torchrun_arguments(tmp_path) -> Non
     assert "--nproc-per-node=2" in args and "--max-restarts=3" in args
     assert args[args.index("-m") + 1 : args.index("-m") + 3] == ["kfac_bench.cli", "train"]
     assert f"hydra.run.dir={tmp_path.resolve()}" in args and "kfac=none" in args
+
+
+def test_a_child_started_outside_the_job_is_not_taken_for_one_of_its_ranks() -> None:
+    rank_env = {
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "2",
+        "TORCHELASTIC_RUN_ID": "r",
+        "SLURM_NTASKS": "4",
+        "SLURM_PROCID": "3",
+        "MASTER_ADDR": "n0",
+        "PATH": "/bin",
+    }
+    assert inside_launched_worker(rank_env)
+    child = outside_job_env(rank_env)
+    assert not inside_launched_worker(child) and detect(child).world_size == 1
+    assert child == {"MASTER_ADDR": "n0", "PATH": "/bin"}  # everything else is kept
+    assert "RANK" in rank_env  # the given mapping is not changed
