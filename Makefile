@@ -4,6 +4,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PIP_INSTALL := $(BIN)/pip install --disable-pip-version-check -q -c constraints.txt
+# pytest-xdist workers (0: one process). Whole test files go to one worker (--dist loadfile), so a module's
+# fixtures (the BERT and SQuAD smoke chains) are built once; most tests wait on subprocesses or sleep.
+PYTEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 .DEFAULT_GOAL := help
 .PHONY: help setup train test test-fast test-slow lint format bench gpu-check clean
@@ -27,13 +31,13 @@ lint: $(STAMP)  ## ruff (lint + format check) and mypy on the library
 	$(BIN)/mypy kfac_bench/kfac
 
 test-fast: $(STAMP)  ## the fast suite only (no lint, no smoke recipes)
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 test-slow: $(STAMP)  ## the recipe smoke runs (pytest -m slow)
-	$(BIN)/python -m pytest -q -m slow
+	$(PYTEST) -m slow
 
-test: lint $(STAMP)  ## lint, then the whole suite: fast tests and recipe smoke runs
-	$(BIN)/python -m pytest -q -m "not gpu"
+test: lint $(STAMP)  ## lint, then the whole suite: fast tests and recipe smoke runs (PYTEST_WORKERS=2)
+	$(PYTEST) -m "not gpu"
 
 bench: $(STAMP)  ## K-FAC overhead benchmark (CPU): step-time ratios K-FAC/SGD with stage breakdown
 	$(BIN)/python -m benchmarks.overhead
