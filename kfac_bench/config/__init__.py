@@ -7,9 +7,12 @@ step), so ``+recipe=NAME`` works from a non-editable install too.
 
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["config_dir", "recipes_dir"]
+__all__ = ["config_dir", "flat_config", "recipes_dir"]
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 
@@ -30,3 +33,21 @@ def config_dir() -> Path:
 def recipes_dir() -> Path:
     """The directory holding the recipe files (``NAME.yaml``) and their README."""
     return _locate("recipes")
+
+
+def flat_config(config: Mapping[str, Any], skip: Sequence[str] = ()) -> dict[str, Any]:
+    """A nested plain config as ``{"a.b.c": value}``, leaving out the keys that match an ``fnmatch``
+    pattern of ``skip`` (``train.seed``, ``launcher.*``). An empty section has no keys."""
+    return {
+        key: value
+        for key, value in _flatten(config, "")
+        if not any(fnmatch.fnmatchcase(key, pattern) for pattern in skip)
+    }
+
+
+def _flatten(node: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            yield from _flatten(value, f"{prefix}{key}.")
+    else:
+        yield prefix[:-1], node

@@ -10,14 +10,14 @@ first-order group unless chosen; the verdict is :mod:`kfac_bench.metrics.verdict
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import math
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kfac_bench.config import flat_config
 from kfac_bench.errors import UserError
 from kfac_bench.metrics.runs import Run
 
@@ -96,22 +96,10 @@ def _name_set(run: Run) -> str | None:
     return names[-1] if names else None
 
 
-def _flatten(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            yield from _flatten(value, f"{prefix}{key}.")
-    else:
-        yield prefix[:-1], node
-
-
 def _setting(summary: dict[str, Any]) -> dict[str, str]:
     """The run's config as ``key -> value`` (JSON text), without the :data:`SAME_RUN` keys."""
-    flat = _flatten(summary.get("config") or {})
-    return {
-        k: json.dumps(v, sort_keys=True)
-        for k, v in flat
-        if not any(fnmatch.fnmatchcase(k, p) for p in SAME_RUN)
-    }
+    flat = flat_config(summary.get("config") or {}, SAME_RUN)
+    return {k: json.dumps(v, sort_keys=True) for k, v in flat.items()}
 
 
 @dataclass

@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import fnmatch
 import os
 import socket
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from kfac_bench.config import flat_config
 from kfac_bench.errors import ConfigError, UserError
 
 __all__ = [
@@ -177,14 +177,6 @@ def locked_by_launcher(run_dir: Path, env: Mapping[str, str] | None = None) -> b
     return held is not None and Path(held).resolve() == Path(run_dir).resolve()
 
 
-def _flatten(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            yield from _flatten(value, f"{prefix}{key}.")
-    else:
-        yield prefix[:-1], node
-
-
 def _plain(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(cfg, DictConfig):
         return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
@@ -196,11 +188,10 @@ def config_drift(
 ) -> list[tuple[str, Any, Any]]:
     """(key, recorded value, current value) of every key that differs, other than
     :data:`MAY_CHANGE_ON_RESUME` (a key only one side has counts, with ``<unset>`` on the other)."""
-    old, new = dict(_flatten(dict(recorded))), dict(_flatten(dict(current)))
+    old = flat_config(recorded, MAY_CHANGE_ON_RESUME)
+    new = flat_config(current, MAY_CHANGE_ON_RESUME)
     drift = []
     for key in sorted(set(old) | set(new)):
-        if any(fnmatch.fnmatchcase(key, pattern) for pattern in MAY_CHANGE_ON_RESUME):
-            continue
         a, b = old.get(key, "<unset>"), new.get(key, "<unset>")
         if a != b:
             drift.append((key, a, b))
