@@ -91,11 +91,19 @@ class WeightBiasHandler:
         w, _ = self.parameters(module)
         return math.prod(w.shape[1:]) + int(bias), w.shape[0]
 
+    def weight_matrix(self, w: torch.Tensor) -> torch.Tensor:
+        """``w`` (the weight or its gradient) as the ``(g_dim, a_dim - bias)`` matrix of the layer's block."""
+        return w.reshape(w.shape[0], -1)
+
+    def weight_from_matrix(self, m: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`weight_matrix`: ``m`` in the shape of ``w``."""
+        return m.reshape(w.shape)
+
     def grad(self, module: nn.Module, bias: bool) -> torch.Tensor | None:
         w, b = self.parameters(module)
         if w.grad is None:
             return None
-        g = w.grad.reshape(w.shape[0], -1)
+        g = self.weight_matrix(w.grad)
         if bias:
             assert b is not None
             bg = b.grad if b.grad is not None else torch.zeros_like(b)
@@ -106,7 +114,7 @@ class WeightBiasHandler:
         w, b = self.parameters(module)
         n_w = grad.shape[1] - int(bias)
         assert w.grad is not None
-        w.grad.copy_(grad[:, :n_w].reshape(w.shape))
+        w.grad.copy_(self.weight_from_matrix(grad[:, :n_w], w))
         if bias:
             assert b is not None
             if b.grad is None:

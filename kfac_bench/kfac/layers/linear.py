@@ -43,32 +43,11 @@ class LinearHandler(WeightBiasHandler):
         rows = g.reshape(-1, g.shape[-1]).to(dtype)
         return Gram(rows.t() @ rows, n, t)
 
-    def grad(self, module: nn.Module, bias: bool) -> torch.Tensor | None:
-        if not self.transposed:
-            return super().grad(module, bias)
-        w, b = self.parameters(module)
-        if w.grad is None:
-            return None
-        g = w.grad.t()
-        if bias:
-            assert b is not None
-            bg = b.grad if b.grad is not None else torch.zeros_like(b)
-            g = torch.cat([g, bg.reshape(-1, 1).to(g.dtype)], dim=1)
-        return g
+    def weight_matrix(self, w: torch.Tensor) -> torch.Tensor:
+        return w.t() if self.transposed else w
 
-    def set_grad(self, module: nn.Module, grad: torch.Tensor, bias: bool) -> None:
-        if not self.transposed:
-            super().set_grad(module, grad, bias)
-            return
-        w, b = self.parameters(module)
-        n_w = grad.shape[1] - int(bias)
-        assert w.grad is not None
-        w.grad.copy_(grad[:, :n_w].t())
-        if bias:
-            assert b is not None
-            if b.grad is None:
-                b.grad = torch.empty_like(b)
-            b.grad.copy_(grad[:, n_w])
+    def weight_from_matrix(self, m: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return m.t() if self.transposed else m
 
 
 def _examples_positions(x: torch.Tensor) -> tuple[int, int]:
