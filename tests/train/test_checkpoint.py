@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -16,21 +15,12 @@ from kfac_bench.metrics.tracker import StageTimes, TargetTracker
 from kfac_bench.train.checkpoint import CheckpointManager, RNGState, Stateful, save_atomic
 from kfac_bench.train.state import TrainState
 
+from .stateful import Counter
+
 
 class Unpicklable:
     def __reduce__(self) -> tuple:
         raise RuntimeError("disk full")
-
-
-class Counter:
-    def __init__(self, value: int = 0) -> None:
-        self.value = value
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"value": self.value}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.value = state_dict["value"]
 
 
 class FakePreconditioner:

@@ -18,16 +18,7 @@ from kfac_bench.errors import UserError
 from kfac_bench.train import checkpoint_files
 from kfac_bench.train.checkpoint import CheckpointManager
 
-
-class Counter:
-    def __init__(self, value: int = 0) -> None:
-        self.value = value
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"value": self.value}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.value = state_dict["value"]
+from .stateful import Counter
 
 
 def _saved(folder: Path, steps: list[int], keep: int = 2) -> CheckpointManager:
