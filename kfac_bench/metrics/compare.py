@@ -214,7 +214,10 @@ def _cell(key: str, row: dict[str, Any]) -> str:
 def render(runs: Sequence[Run], fmt: str, baseline: str | None = None) -> str:
     """The comparison as ``terminal`` (aligned text), ``markdown`` (both with the arms side by side and the
     verdict) or ``csv`` (one row per arm) text."""
-    cmp = Comparison(runs, baseline)
+    return _render(Comparison(runs, baseline), fmt)
+
+
+def _render(cmp: Comparison, fmt: str) -> str:
     rows = cmp.rows()
     if fmt == "csv":
         out = io.StringIO()
@@ -247,12 +250,15 @@ def render(runs: Sequence[Run], fmt: str, baseline: str | None = None) -> str:
 def plot(runs: Sequence[Run], path: Path, baseline: str | None = None) -> Path:
     """PNG: the target metric against wall-clock seconds (left) and epochs (right), one colour per arm,
     target as a line."""
+    return _plot(Comparison(runs, baseline), path)
+
+
+def _plot(cmp: Comparison, path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cmp = Comparison(runs, baseline)
     metric, target = cmp.metric, cmp.target
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), constrained_layout=True)
     for i, group in enumerate(cmp.groups):
@@ -270,12 +276,9 @@ def plot(runs: Sequence[Run], path: Path, baseline: str | None = None) -> Path:
         ax.set_xlabel(xlabel)
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
-    _zoom(
-        axes,
-        [v for run in runs for r in run.evals if (v := r["metrics"].get(metric)) is not None],
-        target,
-        cmp.higher,
-    )
+    runs = [run for g in cmp.groups for run in g.runs]
+    every = [v for run in runs for r in run.evals if (v := r["metrics"].get(metric)) is not None]
+    _zoom(axes, every, target, cmp.higher)
     axes[1].legend(fontsize=8, loc="lower right")
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -303,11 +306,11 @@ def write_outputs(
     Raises:
         UserError: ``baseline`` matches no arm.
     """
-    Comparison(runs, baseline)  # an unknown baseline stops before anything is written
+    cmp = Comparison(runs, baseline)  # an unknown baseline stops before anything is written
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compare.md").write_text(render(runs, "markdown", baseline))
-    (out / "compare.csv").write_text(render(runs, "csv", baseline))
-    plot(runs, out / "compare.png", baseline)
+    (out / "compare.md").write_text(_render(cmp, "markdown"))
+    (out / "compare.csv").write_text(_render(cmp, "csv"))
+    _plot(cmp, out / "compare.png")
     files = ", ".join(str(out / f) for f in ("compare.md", "compare.csv", "compare.png"))
-    return render(runs, fmt, baseline) + f"wrote {files}\n"
+    return _render(cmp, fmt) + f"wrote {files}\n"
