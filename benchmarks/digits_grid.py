@@ -27,14 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-import numpy as np
 import torch
 
 from benchmarks.digits_report import compare, comparison_text, summarise, table
@@ -51,6 +49,7 @@ from kfac_bench.data.digits import build_digits
 from kfac_bench.data.loader import build_loaders
 from kfac_bench.models.small_cnn import build_small_cnn
 from kfac_bench.tasks.classification import ClassificationTask
+from kfac_bench.train.build import seed_everything
 from kfac_bench.train.optim import build_lr_scheduler, build_optimizer, lr_factor
 
 __all__ = ["LR_GRID", "Arm", "RunResult", "Setting", "main", "run_grid", "train_run"]
@@ -196,19 +195,12 @@ class RunResult:
         }
 
 
-def _seed_everything(seed: int) -> None:
-    # As kfac_bench/train/run.py seeds a run before building the data, the task and the model.
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 def train_run(setting: Setting, arm: Arm, lr: float, seed: int, splits: DataSplits) -> RunResult:
     """Train one arm for ``setting.epochs`` epochs (no early stop: the accuracy after the target counts)."""
-    _seed_everything(seed)
+    seed_everything(seed)
     task = ClassificationTask(topk=(1,))
     model = build_small_cnn(channels=setting.channels, hidden=setting.hidden)
-    _seed_everything(seed)  # run.py reseeds after the model (per-rank streams; rank 0 here)
+    seed_everything(seed)  # run.py reseeds after the model (per-rank streams; rank 0 here)
     train_loader, eval_loader, sampler = build_loaders(splits, setting.batch_size, 1, 0, seed)
     steps_per_epoch = sampler.num_samples // setting.batch_size
     total = steps_per_epoch * setting.epochs

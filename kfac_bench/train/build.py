@@ -41,7 +41,7 @@ from kfac_bench.train.optim import base_lr, build_lr_scheduler, build_optimizer,
 from kfac_bench.train.signals import PreemptionFlag
 from kfac_bench.train.state import TrainState
 
-__all__ = ["Run", "build_data", "build_run", "instantiate"]
+__all__ = ["Run", "build_data", "build_run", "instantiate", "seed_everything"]
 
 
 def instantiate(cfg: Any, **kwargs: Any) -> Any:
@@ -88,7 +88,8 @@ class Run:
     stages: StageTimes
 
 
-def _seed(seed: int) -> None:
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators, as a run is seeded before it builds its parts."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -122,11 +123,11 @@ def build_run(cfg: DictConfig, run_dir: Path, env: DistEnv, device: torch.device
     t = cfg.train
     _set_threads(t.cpu_threads, device)
     run_dir.mkdir(parents=True, exist_ok=True)
-    _seed(t.seed)
+    seed_everything(t.seed)
     splits = build_data(cfg.dataset)
     task = instantiate(cfg.task)
     module: nn.Module = instantiate(cfg.model).to(device)
-    _seed(t.seed + env.rank)
+    seed_everything(t.seed + env.rank)
     train_loader, eval_loader, sampler = build_loaders(
         splits,
         t.batch_size,
