@@ -32,7 +32,9 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def new_report(sections: dict[str, str], dry_run: bool, command: str, time_limit_s: float) -> dict:
+def new_report(
+    sections: dict[str, str], dry_run: bool, command: str, time_limit_s: float | None
+) -> dict:
     """A report with every section ``pending``; ``sections`` maps each step name to its title."""
     return {
         "kind": "kfac-bench gpu-check",

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests.limits import hang_limit
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -65,8 +67,9 @@ def run_distributed(
     Raises:
         RuntimeError: with the failing rank's traceback as soon as any rank fails (the others are killed,
             so a rank blocked in a collective with the failed one cannot hang the test), or naming the
-            ranks that did not finish within ``timeout`` seconds.
+            ranks that did not finish within ``hang_limit(timeout)`` seconds.
     """
+    timeout = hang_limit(timeout)
     ctx = mp.get_context("spawn" if backend == "nccl" else "fork")
     out: mp.Queue = ctx.Queue()
     port = _free_port()
@@ -91,7 +94,7 @@ def run_distributed(
             results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
         for p in procs:
-            p.join(timeout=5)
+            p.join(timeout=hang_limit(5))
             if p.is_alive():
                 p.kill()
                 p.join()

@@ -15,6 +15,7 @@ import torch
 from benchmarks.digits_grid import Arm, RunResult, Setting, _cadence, main, train_run
 from benchmarks.digits_report import best_lrs, summarise
 from kfac_bench.data.digits import build_digits
+from tests.limits import hang_limit
 
 
 def _run(arm: str, lr: float, seed: int, top1: list[float], target: float = 0.9) -> RunResult:
@@ -166,7 +167,7 @@ def test_grid_run_reproduces_the_harness_run(kfac: bool, tmp_path: Path, one_thr
     else:
         args.append("kfac=none")
     cmd = [sys.executable, "-m", "kfac_bench.cli", "train", *args]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=240)
+    subprocess.run(cmd, check=True, capture_output=True, timeout=hang_limit(240))
     lines = (tmp_path / "eval.jsonl").read_text().splitlines()
     harness = [json.loads(line)["metrics"]["top1"] for line in lines]
     grid = train_run(s, arm, lr, 1, build_digits())

@@ -29,6 +29,7 @@ from benchmarks.gpu_steps import REPO, child_env
 from benchmarks.overhead import Setup, _classification
 from kfac_bench.kfac import STAGES
 from kfac_bench.kfac.layers.conv_factor import fast_method
+from tests.limits import hang_limit
 
 SECTIONS = ("environment", "gpu_tests", "resnet50", "memory", "bert_large", "recipes")
 
@@ -223,7 +224,7 @@ def test_markdown_has_the_rows_the_readme_quotes_with_the_json_figures(tmp_path:
 def _dry_run(tmp_path: Path, *args: str, timeout: float = 900) -> tuple[int, dict[str, Any], str]:
     cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(tmp_path), *args]
     done = subprocess.run(
-        cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout
+        cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=hang_limit(timeout)
     )
     report = json.loads((tmp_path / gpu_report.JSON_NAME).read_text())
     return done.returncode, report, (tmp_path / gpu_report.MD_NAME).read_text()

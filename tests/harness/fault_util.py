@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.harness.util import REPO, cli_env
+from tests.limits import hang_limit
 
 #: The tests' model builder that injects one fault (tests/harness/faulty.py), importable by every rank.
 FAULTY = "model._target_=tests.harness.faulty.build_fault_once"
@@ -57,7 +58,7 @@ def run(
         env=kwargs.pop("env", env()),
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=hang_limit(timeout),
         **kwargs,
     )
 
@@ -75,13 +76,13 @@ def wait_for_records(
     run_dir: Path, n: int, proc: subprocess.Popen[str], timeout: float = 90
 ) -> None:
     """Until ``eval.jsonl`` holds ``n`` records (fails if ``proc`` ends first)."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + hang_limit(timeout)
     while len(records(run_dir)) < n:
         if proc.poll() is not None:
             out, err = proc.communicate()
             raise AssertionError(f"ended early ({proc.returncode}):\n{out[-2000:]}\n{err[-3000:]}")
         if time.monotonic() > deadline:
-            raise AssertionError(f"no {n} records in {run_dir} after {timeout} s")
+            raise AssertionError(f"no {n} records in {run_dir} after {hang_limit(timeout):.0f} s")
         time.sleep(0.05)
 
 

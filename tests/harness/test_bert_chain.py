@@ -13,6 +13,7 @@ import pytest
 
 from kfac_bench.config.compose import compose_run
 from tests.harness.util import REPO, cli_env
+from tests.limits import hang_limit
 
 SCRIPT = REPO / "launch" / "bert_chain.sh"
 
@@ -42,7 +43,7 @@ def _chain(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.Completed
         env=environment,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=hang_limit(60),
     )
     return result, [shlex.split(line) for line in log.read_text().splitlines()]
 

@@ -14,6 +14,7 @@ import pytest
 
 from kfac_bench.train.signals import EXIT_REQUEUE
 from tests.harness.util import TINY, cli_env, console_script, run_cli
+from tests.limits import hang_limit
 
 
 def test_help_lists_subcommands_and_config_groups(tmp_path: Path) -> None:
@@ -72,7 +73,7 @@ def test_console_script_trains_digits(tmp_path: Path, kfac: str) -> None:
         env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=hang_limit(120),
     )
     assert result.returncode == 0, result.stderr
     last = result.stdout.strip().splitlines()[-1]
@@ -90,7 +91,7 @@ def test_console_script_trains_digits(tmp_path: Path, kfac: str) -> None:
 
 
 def _wait_for(path: Path, lines: int, proc: subprocess.Popen[str], timeout: float = 90) -> None:
-    end = time.monotonic() + timeout
+    end = time.monotonic() + hang_limit(timeout)
     while time.monotonic() < end and proc.poll() is None:
         if path.is_file() and len(path.read_text().splitlines()) >= lines:
             return
@@ -116,7 +117,7 @@ def test_sigterm_checkpoints_requeues_and_resume_matches_uninterrupted(tmp_path:
     )
     _wait_for(tmp_path / "parts" / "eval.jsonl", 2, proc)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=hang_limit(60))
     assert proc.returncode == EXIT_REQUEUE, err
     stopped = json.loads((tmp_path / "parts" / "summary.json").read_text())
     assert stopped["status"] == "preempted" and 10 <= stopped["steps"] < 60

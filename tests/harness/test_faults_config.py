@@ -17,6 +17,7 @@ from kfac_bench.config.bounds import Bounds, bounds_of
 from kfac_bench.config.compose import compose_run
 from kfac_bench.train.preflight import check_run
 from tests.harness.util import TINY, cli_env, run_cli
+from tests.limits import hang_limit
 
 GROUPS = {
     name: t
@@ -165,7 +166,7 @@ def test_the_launch_scripts_agent_checks_before_starting_ranks(tmp_path: Path) -
         env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=hang_limit(60),
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [

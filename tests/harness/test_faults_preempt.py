@@ -22,6 +22,7 @@ from tests.harness.fault_util import (
     wait_for_records,
 )
 from tests.harness.util import TINY
+from tests.limits import hang_limit
 
 LONG = [*TINY, "train.epochs=2000", "train.eval_every_steps=3", "train.checkpoint_every_epochs=0"]
 
@@ -46,7 +47,7 @@ def test_local_sigusr1_checkpoints_exits_75_and_resumes_without_repeating(tmp_pa
     try:
         wait_for_records(tmp_path / "run", 2, proc)
         proc.send_signal(signal.SIGUSR1)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=hang_limit(60))
     finally:
         proc.kill()
     assert proc.returncode == 75, err[-3000:]
@@ -80,7 +81,7 @@ def test_torchrun_launcher_forwards_the_signal_and_exits_75_without_restarting(
     try:
         wait_for_records(run_dir, 2, proc, timeout=150)
         proc.send_signal(sig)
-        out, err = proc.communicate(timeout=90)
+        out, err = proc.communicate(timeout=hang_limit(90))
     finally:
         proc.kill()
     assert proc.returncode == 75, err[-3000:]

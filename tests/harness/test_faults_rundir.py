@@ -30,6 +30,7 @@ from tests.harness.fault_util import (
     wait_for_records,
 )
 from tests.harness.util import TINY
+from tests.limits import hang_limit
 
 
 def test_config_drift_is_refused_and_allowed_changes_resume(tmp_path: Path) -> None:
@@ -84,7 +85,7 @@ def test_a_second_run_in_a_live_directory_is_refused(tmp_path: Path) -> None:
             )
         assert first.poll() is None  # the first run never noticed
         first.send_signal(signal.SIGTERM)
-        _, err = first.communicate(timeout=60)
+        _, err = first.communicate(timeout=hang_limit(60))
     finally:
         first.kill()
     assert first.returncode == 75, err[-3000:]
@@ -128,7 +129,7 @@ def test_a_killed_run_releases_the_lock_and_its_resume_repeats_no_step(tmp_path:
 
 def test_runs_started_together_get_their_own_directories(tmp_path: Path) -> None:
     procs = [start("train", *TINY, cwd=tmp_path) for _ in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
+    outs = [p.communicate(timeout=hang_limit(120)) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
     dirs = sorted((tmp_path / "runs").iterdir())
     assert len(dirs) == 2
@@ -188,8 +189,8 @@ def test_the_lock_is_per_process_and_released(tmp_path: Path) -> None:
         with pytest.raises(Exception, match="is in use by another run"):
             rundir.probe_lock(tmp_path / "run")
         holder.kill()
-        holder.wait(timeout=30)
-        deadline = time.monotonic() + 10
+        holder.wait(timeout=hang_limit(30))
+        deadline = time.monotonic() + hang_limit(10)
         while True:  # the kernel drops the lock with the process
             try:
                 rundir.lock(tmp_path / "run")

@@ -21,6 +21,7 @@ from tests.harness.fault_util import (
     wait_for_records,
 )
 from tests.harness.util import TINY
+from tests.limits import hang_limit
 
 RECORD_SRUN = (
     'printf "%s\\n" "$@" > "$SRUN_ARGS"\necho "setup=${KFAC_SETUP_RAN:-no}" >> "$SRUN_ARGS"\n'
@@ -42,7 +43,7 @@ def test_a_long_node_list_does_not_end_the_script_and_paths_and_setup_are_explic
     setup.write_text("export KFAC_SETUP_RAN=yes\n")
     e.update(SRUN_ARGS=str(tmp_path / "srun.args"), KFAC_BENCH_SETUP=str(setup), RUN_DIR="rel/dir")
     proc = sbatch(tmp_path, e, "kfac=none", cwd=tmp_path / "bin")
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=hang_limit(60))
     assert proc.returncode == 0, err
     args = (tmp_path / "srun.args").read_text().splitlines()
     assert f"--rdzv-endpoint=node000000:{e['RDZV_PORT']}" in args
@@ -56,7 +57,7 @@ def test_no_gpu_count_is_one_line(tmp_path: Path) -> None:
     e.pop("GPUS_PER_NODE")
     e.pop("SLURM_GPUS_ON_NODE", None)
     proc = sbatch(tmp_path, e)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=hang_limit(60))
     assert proc.returncode == 2
     assert err.strip().splitlines() == [
         "kfac-bench: error: no GPU count: submit with --gpus-per-node=N or set GPUS_PER_NODE"
@@ -78,7 +79,7 @@ def test_preemption_requeues_once_even_with_torchrun_restarts(tmp_path: Path) ->
     try:
         wait_for_records(run_dir, 1, proc, timeout=150)
         proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@180 sends to the batch shell
-        out, err = proc.communicate(timeout=90)
+        out, err = proc.communicate(timeout=hang_limit(90))
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-3000:]
@@ -94,7 +95,7 @@ def test_preemption_requeues_once_even_with_torchrun_restarts(tmp_path: Path) ->
 def test_a_crashed_rank_is_not_requeued(tmp_path: Path) -> None:
     e = slurm_env(tmp_path)
     proc = sbatch(tmp_path, e, *TINY, "kfac=none", *fault(tmp_path / "fault", 10, "kill", rank=1))
-    _, err = proc.communicate(timeout=180)
+    _, err = proc.communicate(timeout=hang_limit(180))
     assert proc.returncode == 1, err[-3000:]
     assert not _requeues(tmp_path)
     assert not (tmp_path / "runs" / "slurm-4242" / PREEMPTED_FILE).exists()

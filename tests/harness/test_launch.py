@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.harness.util import REPO, TINY, cli_env, run_cli
+from tests.limits import hang_limit
 
 SCRIPTS = sorted((REPO / "launch").glob("*.s*"))
 
@@ -102,7 +103,7 @@ def test_slurm_script_starts_a_two_process_job(tmp_path: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=hang_limit(180),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     s = _summary(tmp_path / "runs" / "slurm-4242")
@@ -128,7 +129,7 @@ def test_multinode_script_on_one_node(tmp_path: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=hang_limit(180),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert _summary(tmp_path / "runs" / "mn")["world_size"] == 2
@@ -147,7 +148,7 @@ def test_slurm_script_checkpoints_and_requeues_on_preemption(tmp_path: Path) -> 
         text=True,
     )
     run_dir = tmp_path / "runs" / "slurm-4242"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + hang_limit(120)
     while (
         not (run_dir / "eval.jsonl").is_file()
         and time.monotonic() < deadline
@@ -155,7 +156,7 @@ def test_slurm_script_checkpoints_and_requeues_on_preemption(tmp_path: Path) -> 
     ):
         time.sleep(0.1)
     proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@180 sends to the batch shell
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=hang_limit(120))
     assert proc.returncode == 0, err[-3000:]
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
     s = _summary(run_dir)
@@ -188,7 +189,7 @@ def test_torchrun_restarts_a_failed_rank_from_the_checkpoint(tmp_path: Path) -> 
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=hang_limit(240),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert marker.read_text() == "crashed"

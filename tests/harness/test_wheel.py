@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness.util import REPO, cli_env
+from tests.limits import hang_limit
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ],
         check=True,
         capture_output=True,
-        timeout=300,
+        timeout=hang_limit(300),
     )
     (found,) = out.glob("kfac_bench-*.whl")
     return found
@@ -76,7 +77,7 @@ def test_installed_wheel_runs_a_recipe_outside_the_source_tree(wheel: Path, tmp_
         ],
         check=True,
         capture_output=True,
-        timeout=300,
+        timeout=hang_limit(300),
     )
     env = cli_env()
     env["PYTHONPATH"] = str(target) + os.pathsep + env.get("PYTHONPATH", "")
@@ -113,7 +114,7 @@ def test_installed_wheel_runs_a_recipe_outside_the_source_tree(wheel: Path, tmp_
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=hang_limit(120),
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "run" / "summary.json").is_file()

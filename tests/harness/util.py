@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 from kfac_bench.config.compose import compose_run
 from kfac_bench.train.launch import outside_job_env
+from tests.limits import hang_limit
 
 #: A digits run of 2 epochs x 6 steps on an 8-channel CNN, single thread (the machine is shared).
 TINY = [
@@ -35,14 +36,15 @@ def cli_env() -> dict[str, str]:
 
 
 def run_cli(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """``python -m kfac_bench.cli ARGS`` in ``cwd`` (same interpreter as the tests)."""
+    """``python -m kfac_bench.cli ARGS`` in ``cwd`` (same interpreter as the tests); ``timeout`` is
+    stretched by :func:`tests.limits.hang_limit`."""
     return subprocess.run(
         [sys.executable, "-m", "kfac_bench.cli", *args],
         cwd=cwd,
         env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=hang_limit(timeout),
     )
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kfac_bench.metrics.mlperf import RULESET
+from tests.limits import hang_limit
 
 __all__ = ["check", "events", "missing_or_failed_keys"]
 
@@ -34,7 +35,7 @@ def check(log: Path, division: str | None = None) -> tuple[bool, str]:
                 sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
                 "--ruleset", RULESET, "--log_output", str(Path(tmp) / "checker.log"), str(target),
             ],
-            capture_output=True, text=True, timeout=120, cwd=tmp,
+            capture_output=True, text=True, timeout=hang_limit(120), cwd=tmp,
         )  # fmt: skip
     return done.returncode == 0, done.stdout + done.stderr
 
