@@ -35,6 +35,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"kfac-bench: error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
+    except KeyboardInterrupt:  # a second Ctrl-C (the first stops a run cleanly: train.signals)
+        print("kfac-bench: interrupted", file=sys.stderr, flush=True)
+        return 128 + 2
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ padding (:class:`ShardSampler`), so every example is counted exactly once across
 from __future__ import annotations
 
 import math
+import signal
 from collections.abc import Iterator, Sized
 from typing import Any
 
@@ -18,7 +19,22 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from kfac_bench.data.base import DataSplits
 
-__all__ = ["ResumableSampler", "ShardSampler", "build_loaders"]
+__all__ = ["ResumableSampler", "ShardSampler", "build_loaders", "ignore_stop_signals"]
+
+#: Signals that stop a run cleanly in its main process (:mod:`kfac_bench.train.signals`).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """``worker_init_fn`` of every loader: a loader worker ignores the stop signals.
+
+    ``timeout``, Ctrl-C, torchrun and many schedulers signal the whole process group, workers included.
+    The main process stops after its step and checkpoints; a worker that died of the signal first would
+    end the run with "DataLoader worker ... killed by signal" instead. Workers still end when the loader
+    shuts them down, or by themselves when the main process is gone (PyTorch's watchdog).
+    """
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class ResumableSampler(DistributedSampler):
@@ -105,6 +121,7 @@ def build_loaders(
         "pin_memory": pin_memory,
         "collate_fn": splits.collate_fn,
         "persistent_workers": num_workers > 0,
+        "worker_init_fn": ignore_stop_signals if num_workers > 0 else None,
     }
     train = DataLoader(
         splits.train,

@@ -40,6 +40,7 @@ import torch
 from .factors import fold
 from .options import FactorScaling
 from .state import Call, LayerState
+from .subsample import ExampleSubset
 from .timing import StageTimer
 
 
@@ -75,6 +76,7 @@ class Capture:
         grad_scaler: Any,
         on_final: Callable[[LayerState], None],
         timer: StageTimer,
+        subset: ExampleSubset | None = None,
     ) -> None:
         self.layers = layers
         self.factor_dtype = factor_dtype
@@ -83,6 +85,8 @@ class Capture:
         self.grad_scaler = grad_scaler
         self.on_final = on_final
         self.timer = timer
+        #: Factors from part of each batch (``factor_batch_fraction`` < 1); None: every example.
+        self.subset = subset
         self.collecting = False
         #: Backward passes that reached the layers since the last ``step()`` (while collecting).
         self.backwards = 0
@@ -120,8 +124,14 @@ class Capture:
             ):
                 return
             x = args[0].detach()
+            rows = None
+            if self.subset is not None:
+                rows = self.subset.rows(x, self.backwards, layer.handler.spatial)
+                x = x if rows is None else x.index_select(0, rows)
             with self.timer("factor", sync=False), _no_autocast(x.device.type):
-                call = Call(layer.handler.a_gram(module, x, self.factor_dtype, layer.bias))
+                call = Call(
+                    layer.handler.a_gram(module, x, self.factor_dtype, layer.bias), rows=rows
+                )
             layer.calls.append(call)
             # A prehook on the node that produced the output sees dL/d(output) even when the output
             # is later modified in place (e.g. an inplace ReLU), unlike a tensor hook. It refers to the
@@ -147,11 +157,17 @@ class Capture:
             g = grad_outputs[index]
             if g is not None:
                 g = g.detach()
+                weight = 1.0
+                if call.rows is not None and self.subset is not None and g.shape[0] > 1:
+                    weight = self.subset.g_weight(g.shape[0], call.rows.numel())
+                    g = g.index_select(0, call.rows)
                 with self.timer("factor", sync=False), _no_autocast(g.device.type):
                     gram = layer.handler.g_gram(layer.module, g, self.factor_dtype)
                     scale = self._loss_scale()
                     if scale is not None:
                         gram = gram._replace(sum=gram.sum / scale**2)
+                    if weight != 1.0:
+                        gram = gram._replace(sum=gram.sum.mul_(weight))
                 if not layer.group:
                     self._touched.append(layer)
                 layer.group.append((call.a, gram))

@@ -95,8 +95,8 @@ class Curvature:
                 if f is None:
                     continue
                 attr = f"{kind}_factor"
-                setattr(layer, attr, running_average(getattr(layer, attr), f, decay))
-                bad = ~torch.isfinite(f).all()
+                running, bad = running_average(getattr(layer, attr), f, decay)
+                setattr(layer, attr, running)
                 layer.nonfinite = bad if layer.nonfinite is None else layer.nonfinite | bad
 
     # ------------------------------------------------------------------ stage 2: second order

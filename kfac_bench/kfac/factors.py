@@ -86,14 +86,25 @@ def normalise(total: torch.Tensor, count: int, scaling: FactorScaling, is_g: boo
 
 def running_average(
     running: torch.Tensor | None, batch: torch.Tensor, decay: float
-) -> torch.Tensor:
-    """``decay·running + (1-decay)·batch``; the first update starts from the identity.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``decay·running + (1-decay)·batch`` in place in ``running``; the first update starts from eye.
 
     This is the reference code's convention (keep ``decay`` of the old average), not the paper's
     equation, which is written the other way round (TPDS eq. 14-15). A non-finite ``batch`` leaves the
     running factor unchanged (decided on the device, without a host synchronisation).
+
+    ``batch`` is consumed: it may be overwritten. One pass over it decides finiteness (its sum is finite),
+    one in-place ``lerp_`` folds it in: no temporaries (a sum that overflows counts as non-finite).
+
+    Returns:
+        ``(running, bad)``: the updated running factor (the same tensor when one was given) and a
+        device-side bool scalar, true when ``batch`` was skipped as non-finite.
     """
     if running is None:
         running = torch.eye(batch.shape[0], dtype=batch.dtype, device=batch.device)
-    updated = running * decay + batch * (1.0 - decay)
-    return torch.where(torch.isfinite(batch).all(), updated, running)
+    bad = ~torch.isfinite(batch.sum())
+    # A skipped batch must not touch the average: zero it (0·inf would be NaN) and keep the old weight.
+    batch.masked_fill_(bad, 0.0)
+    weight = torch.where(bad, 0.0, 1.0 - decay).to(running.dtype)
+    running.lerp_(batch, weight)
+    return running, bad

@@ -40,6 +40,7 @@ from .registration import log_scan, scan_model
 from .schedules import Scheduled, is_due, resolve
 from .second_order import second_order_method
 from .state import LayerState, memory_by_category
+from .subsample import ExampleSubset, check_fraction
 from .timing import STAGES, StageTimer
 
 __all__ = ["STAGES", "KFACPreconditioner", "resolve_dtypes"]
@@ -87,6 +88,9 @@ class KFACPreconditioner:
             Every member must construct its preconditioner with the same group.
         coverage_threshold: warn once at construction if the layers preconditioned hold less than this share
             of the parameters a K-FAC layer type could hold (see :meth:`coverage`).
+        factor_batch_fraction: share of each micro-batch's examples the factor statistics are computed
+            from, in (0, 1]; 1 (default) is exact, less is an opt-in approximation whose noise the running
+            average absorbs, for a factor stage about that much cheaper (:mod:`kfac_bench.kfac.subsample`).
 
     Note:
         What the hooks count and when (one micro-batch = one backward pass; eval-mode forwards ignored; AMP)
@@ -127,6 +131,7 @@ class KFACPreconditioner:
         track_stage_times: bool = False,
         process_group: dist.ProcessGroup | None = None,
         coverage_threshold: float = 0.5,
+        factor_batch_fraction: float = 1.0,
     ) -> None:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
@@ -189,8 +194,16 @@ class KFACPreconditioner:
             grad_scaler=grad_scaler,
             on_final=self.curvature.factors_final,
             timer=self.timer,
+            subset=self._example_subset(factor_batch_fraction),
         )
         self.capture.start_step(is_due(self.factor_update_steps, 0))
+
+    def _example_subset(self, fraction: float) -> ExampleSubset | None:
+        """The subset rule of ``factor_batch_fraction`` (None for 1: the exact path, untouched)."""
+        self.factor_batch_fraction = check_fraction(fraction)
+        if self.factor_batch_fraction == 1.0:
+            return None
+        return ExampleSubset(self.factor_batch_fraction, self.factor_scaling, lambda: self.steps)
 
     # ------------------------------------------------------------------ registration and placement
     def _plan(self) -> None:
@@ -306,8 +319,10 @@ class KFACPreconditioner:
             nu = self._kl_clip_scale(grads, raw, step)
         for name, pg in grads.items():
             layer = self.layers[name]
-            if nu is not None:
-                pg = pg * nu.to(pg.dtype)
+            if (
+                nu is not None
+            ):  # in place: ``pg`` is this step's own buffer (a result or a receive buffer)
+                pg.mul_(nu if nu.dtype == pg.dtype else nu.to(pg.dtype))
             layer.handler.set_grad(layer.module, pg, layer.bias)
 
     def _kl_clip_scale(
@@ -320,7 +335,7 @@ class KFACPreconditioner:
         lr = resolve(self.lr, step)
         vg = torch.zeros((), dtype=torch.float64, device=next(iter(grads.values())).device)
         for name, pg in grads.items():
-            vg += (pg * raw[name]).sum(dtype=torch.float64)
+            vg += _inner(pg, raw[name])
         vg = vg * lr**2
         # |vg| = 0 gives sqrt(inf) -> clamped to 1: no scaling, as the reference does.
         return torch.sqrt(kappa / vg.abs()).clamp(max=1.0)
@@ -391,6 +406,14 @@ class KFACPreconditioner:
         """Restore a :meth:`state_dict`. Factors land on each layer's device; decompositions are taken from
         the state when saved, else recomputed now from the restored factors."""
         checkpoint.restore_state(self, state)
+
+
+def _inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``⟨a, b⟩`` as a float64 scalar: one dot product without a temporary for float32/float64 matrices
+    (BLAS accumulates in the input precision), else summed in float64."""
+    if a.dtype == b.dtype and a.dtype in (torch.float32, torch.float64):
+        return torch.vdot(a.reshape(-1), b.reshape(-1)).to(torch.float64)
+    return (a * b).sum(dtype=torch.float64)
 
 
 def resolve_dtypes(

@@ -42,6 +42,8 @@ class Call:
 
     a: Gram
     done: bool = False
+    # The examples its factors use (``factor_batch_fraction`` < 1, see :mod:`.subsample`); None: all.
+    rows: torch.Tensor | None = None
 
 
 @dataclass

@@ -5,9 +5,9 @@ SIGUSR1 (leaving its ranks to train on unsupervised), and reports a rank's exit 
 which ``--max-restarts`` answers with a restart. :func:`run_torchrun` runs the same agent in this process,
 with these differences:
 
-* SIGTERM, SIGUSR1 and SIGUSR2 are passed on to the ranks (each the same signal; ranks started later get it
-  too) and the agent keeps supervising them while they finish the step and checkpoint
-  (``TORCHELASTIC_SIGNALS_TO_HANDLE`` leaves SIGTERM to us; SIGINT still aborts).
+* SIGTERM, SIGINT (Ctrl-C), SIGUSR1 and SIGUSR2 are passed on to the ranks (each the same signal; ranks
+  started later get it too) and the agent keeps supervising them while they finish the step and checkpoint
+  (``TORCHELASTIC_SIGNALS_TO_HANDLE`` leaves these to us). A second Ctrl-C aborts the agent.
 * A preempted rank exits 0 under torchrun (no restart) after rank 0 wrote the run directory's
   ``preempted`` marker (:mod:`kfac_bench.train.rundir`); the agent returns :data:`EXIT_REQUEUE` exactly when
   the marker is there.
@@ -35,8 +35,8 @@ from kfac_bench.train.signals import EXIT_REQUEUE, PreemptionFlag
 
 __all__ = ["child_pids", "main", "run_dir_of", "run_torchrun"]
 
-#: Signals torchrun's agent may keep for itself: interactive aborts. SIGTERM is ours (see above).
-_AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
+#: Signals torchrun's agent may keep for itself: a lost terminal, SIGQUIT. Preemption signals are ours.
+_AGENT_SIGNALS = "SIGHUP,SIGQUIT"
 
 
 def child_pids(parent: int | None = None) -> list[int]:

@@ -1,10 +1,15 @@
-"""Preemption: SIGTERM, SIGUSR1 or SIGUSR2 ask the run to stop after the current step and checkpoint.
+"""Preemption: SIGTERM, SIGINT (Ctrl-C), SIGUSR1 or SIGUSR2 ask the run to stop after the current step and
+checkpoint.
 
 A rank's :class:`PreemptionFlag` only records the signal; the loop checks it between steps (one all-reduce
 makes every rank agree), saves a checkpoint and returns ``preempted``. The process then exits with
 :data:`EXIT_REQUEUE` (under torchrun with 0 and a marker file instead, see :mod:`kfac_bench.train.rundir`),
 which ``launch/slurm.sbatch`` answers with ``scontrol requeue``. A launcher process uses the same flag with
 ``forward`` to pass the signal on to its ranks (:mod:`kfac_bench.train.agent`).
+
+Ctrl-C is a preemption like SIGTERM (checkpoint, ``preempted``, exit 75): the work since the last checkpoint
+is kept. A second Ctrl-C while the run is stopping raises :class:`KeyboardInterrupt` at once (the CLI ends
+with one line and exit status 130), for a user who will not wait for the checkpoint.
 
 SIGUSR2 is submitit's preemption signal: a submitit job has its checkpoint-and-requeue handler installed
 before the run starts; :meth:`PreemptionFlag.hand_back` calls it once the run's own checkpoint is written, so
@@ -25,7 +30,7 @@ __all__ = ["EXIT_REQUEUE", "SIGNALS", "PreemptionFlag", "catch_early"]
 
 #: sysexits.h EX_TEMPFAIL: "try again later"; the job is requeued and resumes from its checkpoint.
 EXIT_REQUEUE = 75
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 _early: PreemptionFlag | None = None
 
@@ -67,6 +72,8 @@ class PreemptionFlag:
             signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.signum is not None and self is not _early:
+            raise KeyboardInterrupt  # a second Ctrl-C (or Ctrl-C after another signal): abort now
         if self.signum is None:
             self.signum = signum
         if self.forward is not None:
@@ -77,7 +84,8 @@ class PreemptionFlag:
         Python function (submitit's checkpoint-and-requeue, which exits the process). Call it last, once
         the checkpoint, summary and marker are written and the handlers restored."""
         previous = self._previous.get(self.signum) if self.signum is not None else None
-        if callable(previous):
+        # Python's own SIGINT handler would only raise KeyboardInterrupt after a clean stop.
+        if callable(previous) and previous is not signal.default_int_handler:
             previous(self.signum, None)
 
 
