@@ -13,6 +13,7 @@ import pytest
 from kfac_bench.train.rundir import PREEMPTED_FILE
 from tests.harness.fault_util import eval_steps, run, start, summary, wait_for_records
 from tests.harness.util import TINY
+from tests.limits import hang_limit
 
 LONG = [*TINY, "train.epochs=2000", "train.eval_every_steps=3", "train.checkpoint_every_epochs=0"]
 
@@ -33,7 +34,7 @@ def test_a_signal_to_the_process_group_checkpoints_and_exits_75(
         if workers:  # the loader's workers are alive and in the group
             assert len(_children(proc.pid)) >= workers
         os.killpg(proc.pid, sig)
-        _, err = proc.communicate(timeout=90)
+        _, err = proc.communicate(timeout=hang_limit(90))
     finally:
         proc.kill()
     assert proc.returncode == 75, err[-3000:]
