@@ -8,29 +8,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from kfac_bench.kfac import KFACPreconditioner
 from kfac_bench.kfac.options import FactorScaling
 from kfac_bench.kfac.subsample import ExampleSubset
 
 from ..distributed import run_distributed
+from .test_distributed import make_model  # the same small conv + linear net in float64
 
 D = torch.float64
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(4, 6, 3, stride=2),
-        nn.ReLU(),
-        nn.Flatten(),
-        nn.Linear(6 * 3 * 3, 8),
-        nn.Tanh(),
-        nn.Linear(8, 5),
-    ).to(D)
 
 
 def batch(step: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
