@@ -9,29 +9,35 @@ precondition, with their factor sizes, without attaching anything; works on the 
 :class:`Coverage` (``precond.coverage()``).
 """
 
-from .coverage import Coverage
-from .layers import (
-    Conv2dHandler,
-    Gram,
-    LayerHandler,
-    LinearHandler,
-    WeightBiasHandler,
-    layer_types,
-    register_layer_type,
-    unregister_layer_type,
-)
-from .options import (
-    AssignmentStrategy,
-    ComputeMethod,
-    DistributedStrategy,
-    FactorReduction,
-    FactorScaling,
-    Placement,
-    parse_grad_worker_fraction,
-)
-from .preconditioner import KFACPreconditioner
-from .registration import LayerSpec, ModelScan, scan_model
-from .timing import STAGES
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .coverage import Coverage
+    from .layers import (
+        Conv2dHandler,
+        Gram,
+        LayerHandler,
+        LinearHandler,
+        WeightBiasHandler,
+        layer_types,
+        register_layer_type,
+        unregister_layer_type,
+    )
+    from .options import (
+        AssignmentStrategy,
+        ComputeMethod,
+        DistributedStrategy,
+        FactorReduction,
+        FactorScaling,
+        Placement,
+        parse_grad_worker_fraction,
+    )
+    from .preconditioner import KFACPreconditioner
+    from .registration import LayerSpec, ModelScan, scan_model
+    from .timing import STAGES
 
 __all__ = [
     "STAGES",
@@ -56,3 +62,43 @@ __all__ = [
     "scan_model",
     "unregister_layer_type",
 ]
+
+#: Where each public name lives. The engine loads its modules on first use (PEP 562), so the harness can read
+#: the option enums (:mod:`.options`, standard library only) without importing torch: `kfac-bench --help` and
+#: config errors answer in a fraction of a second.
+_EXPORTS = {
+    "Coverage": ".coverage",
+    "Conv2dHandler": ".layers",
+    "Gram": ".layers",
+    "LayerHandler": ".layers",
+    "LinearHandler": ".layers",
+    "WeightBiasHandler": ".layers",
+    "layer_types": ".layers",
+    "register_layer_type": ".layers",
+    "unregister_layer_type": ".layers",
+    "AssignmentStrategy": ".options",
+    "ComputeMethod": ".options",
+    "DistributedStrategy": ".options",
+    "FactorReduction": ".options",
+    "FactorScaling": ".options",
+    "Placement": ".options",
+    "parse_grad_worker_fraction": ".options",
+    "KFACPreconditioner": ".preconditioner",
+    "LayerSpec": ".registration",
+    "ModelScan": ".registration",
+    "scan_model": ".registration",
+    "STAGES": ".timing",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

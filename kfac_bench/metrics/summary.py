@@ -8,11 +8,12 @@ import os
 import resource
 import subprocess
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kfac_bench.metrics.tracker import TargetTracker, Throughput
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "STATUSES",
@@ -45,6 +46,8 @@ def git_commit(start: Path | None = None) -> str | None:
 
 def peak_memory_bytes(device: torch.device) -> dict[str, int]:
     """Peak accelerator memory allocated by tensors (CUDA) and peak resident memory of this process."""
+    import torch
+
     peak = {"host_max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if device.type == "cuda":
         peak["device_max_allocated"] = int(torch.cuda.max_memory_allocated(device))
@@ -89,6 +92,8 @@ def run_summary(
         precond: the preconditioner, or None for a first-order run.
         config: the resolved run config as plain containers.
     """
+    import torch
+
     reached = tracker.reached
     stages = stage_times_s
     kfac_share = sum(stages.values()) / train_time_s if stages and train_time_s > 0 else None

@@ -15,10 +15,10 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DistEnv", "cleanup", "detect", "first_host", "from_main", "setup"]
 
@@ -86,6 +86,9 @@ def detect(env: Mapping[str, str] | None = None) -> DistEnv:
 
 def setup(env: DistEnv, device: torch.device) -> None:
     """Join the process group (NCCL on CUDA, gloo on CPU) when the job has more than one process."""
+    import torch
+    import torch.distributed as dist
+
     if not env.distributed or dist.is_initialized():
         return
     if device.type == "cuda":
@@ -128,6 +131,8 @@ def cleanup(synchronize: bool = False) -> None:
     With ``synchronize`` (a run that ended normally) every rank first waits for the others, so no rank
     leaves while rank 0 still writes the summary or a peer is still in a collective.
     """
+    import torch.distributed as dist
+
     if not (dist.is_available() and dist.is_initialized()):
         return
     gc.collect()
@@ -138,6 +143,8 @@ def cleanup(synchronize: bool = False) -> None:
 
 def from_main(value: Any) -> Any:
     """``value`` as rank 0 has it, on every rank (unchanged outside a process group)."""
+    import torch.distributed as dist
+
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value
     box = [value]
@@ -147,6 +154,8 @@ def from_main(value: Any) -> Any:
 
 def pick_device(kind: str, env: DistEnv) -> torch.device:
     """``cuda:<local rank>`` if asked for (or ``auto`` and CUDA exists), else the CPU."""
+    import torch
+
     if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", env.local_rank % max(torch.cuda.device_count(), 1))
     return torch.device("cpu")
