@@ -121,13 +121,20 @@ def accumulation_for(world: World, world_size: int) -> int:
     if world.global_batch % per_step == 0:
         return world.global_batch // per_step
     sizes = valid_world_sizes(world.global_batch, world.batch_size)
-    shown = ", ".join(str(n) for n in sizes[:12]) + (", ..." if len(sizes) > 12 else "")
+    shown = ", ".join(str(n) for n in sizes[:-1]) + f" or {sizes[-1]}" if len(sizes) > 1 else "1"
+    if len(sizes) > 12:
+        shown = ", ".join(str(n) for n in sizes[:12]) + ", ..."
     raise ConfigError(
         f"this run has global batch {world.global_batch} (train.batch_size {world.batch_size} x "
-        f"{world.world_size} ranks x {world.global_batch // (world.batch_size * world.world_size)} "
+        f"{_ranks(world.world_size)} x {world.global_batch // (world.batch_size * world.world_size)} "
         f"accumulation steps), which {world_size} ranks cannot keep ({world.global_batch} is not a "
-        f"multiple of {world.batch_size} x {world_size}): resume on {shown} ranks, or start a new run"
+        f"multiple of {world.batch_size} x {world_size}): resume on {shown} "
+        f"{'rank' if sizes == [1] else 'ranks'}, or start a new run"
     )
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
 
 
 def check_launch(run_dir: Path, cfg: Any, world_size: int) -> None:
