@@ -38,6 +38,7 @@ __all__ = [
     "WORLD_FILE",
     "World",
     "accumulation_for",
+    "check_kfac_world",
     "check_launch",
     "rank_seed",
     "read_world",
@@ -144,11 +145,29 @@ def check_launch(run_dir: Path, cfg: Any, world_size: int) -> None:
     Raises:
         ConfigError: one line (see :func:`accumulation_for`).
     """
+    check_kfac_world(cfg, world_size)
     if not cfg.train.resume or not _has_checkpoint(run_dir):
         return
     world = read_world(run_dir)
     if world is not None and world.world_size != world_size:
         accumulation_for(world, world_size)
+
+
+def check_kfac_world(cfg: Any, world_size: int) -> None:
+    """``kfac.grad_worker_fraction`` places on ``world_size`` ranks (its gradient workers per layer divide
+    the world size): a run resumed on another world re-places the K-FAC state with the same fraction.
+
+    Raises:
+        ConfigError: one line naming the fractions that fit.
+    """
+    if not cfg.kfac.enabled:
+        return
+    from kfac_bench.kfac.assignment import grad_workers_per_layer
+
+    try:
+        grad_workers_per_layer(str(cfg.kfac.grad_worker_fraction), world_size)
+    except ValueError as exc:
+        raise ConfigError(f"kfac.{exc}") from None
 
 
 def rank_seed(seed: int, step: int, rank: int, world_size: int) -> int:

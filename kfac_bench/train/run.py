@@ -91,6 +91,7 @@ def _train(
         if env.is_main
         else None
     )
+    elastic.check_kfac_world(cfg, env.world_size)
     run = build_run(cfg, run_dir, env, device, starting_world_size=starting)
     loop, state = run.loop, run.loop.state
     loop.preempt = flag
@@ -98,12 +99,12 @@ def _train(
     resumed = run.checkpoints.load() if cfg.train.resume else False
     if env.is_main:
         elastic.record_world(run_dir, run.world)
-    moved = resumed and run.world.world_size != env.world_size
-    if moved:
+    if resumed and state.saved_world_size != env.world_size:
         # The generators restored are rank 0's (the saved ranks do not map onto these): draw apart again.
         seed_everything(
             elastic.rank_seed(int(cfg.train.seed), state.step, env.rank, env.world_size)
         )
+    moved = resumed and run.world.world_size != env.world_size
     if not resumed and init_from is not None:
         started = warm_start.start_from(init_from, loop.module, loop.optimizer, loop.precond)
         if env.is_main:

@@ -32,6 +32,7 @@ class TrainState:
         global_batch: examples per optimizer step over all ranks: a property of the run, which a resume on
             another number of ranks keeps (:mod:`kfac_bench.train.elastic`); 0: not known.
         reference_world_size: the ranks the run started with, whose hyperparameters it keeps.
+        saved_world_size: after :meth:`load_state_dict`, the ranks that wrote the checkpoint.
     """
 
     epoch: int = 0
@@ -46,6 +47,7 @@ class TrainState:
     batch_size: int = 1
     global_batch: int = 0
     reference_world_size: int = 1
+    saved_world_size: int | None = None
 
     @property
     def sample_in_epoch(self) -> int:
@@ -73,6 +75,7 @@ class TrainState:
         s = state_dict
         self.epoch, self.step, self.samples = s["epoch"], s["step"], s["samples"]
         self.micro_in_epoch = self._micro_in_epoch(s)
+        self.saved_world_size = int(s["world_size"])
         self.wall, self.train_clock = Clock(s["wall_time_s"]), Clock(s["train_time_s"])
         self.last_eval_step = s["last_eval_step"]
         self.throughput.load_state_dict(s["throughput"])

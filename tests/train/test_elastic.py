@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch.utils.data import TensorDataset
 
 from kfac_bench.data.base import DataSplits
@@ -18,6 +19,7 @@ from kfac_bench.errors import ConfigError
 from kfac_bench.train.elastic import (
     World,
     accumulation_for,
+    check_kfac_world,
     read_world,
     record_world,
     starting_world,
@@ -88,3 +90,16 @@ def test_the_starting_world_is_the_recorded_one_only_when_a_checkpoint_will_be_r
     (tmp_path / "world.json").write_text("{not json")
     assert read_world(tmp_path) is None
     assert starting_world(tmp_path, resume=True, world_size=4) == 4
+
+
+def test_a_grad_worker_fraction_that_cannot_place_on_the_new_world_is_one_line() -> None:
+    cfg = OmegaConf.create({"kfac": {"enabled": True, "grad_worker_fraction": "0.5"}})
+    for world in (1, 2, 4):
+        check_kfac_world(cfg, world)  # 1, 1 and 2 gradient workers per layer
+    with pytest.raises(
+        ConfigError, match=r"^kfac\.grad_worker_fraction=0\.5 gives 2 .* world size 3"
+    ):
+        check_kfac_world(cfg, 3)
+    check_kfac_world(
+        OmegaConf.create({"kfac": {"enabled": False, "grad_worker_fraction": "0.5"}}), 3
+    )
