@@ -127,15 +127,16 @@ def accumulation_for(world: World, world_size: int) -> int:
         shown = ", ".join(str(n) for n in sizes[:12]) + ", ..."
     raise ConfigError(
         f"this run has global batch {world.global_batch} (train.batch_size {world.batch_size} x "
-        f"{_ranks(world.world_size)} x {world.global_batch // (world.batch_size * world.world_size)} "
-        f"accumulation steps), which {world_size} ranks cannot keep ({world.global_batch} is not a "
+        f"{_plural(world.world_size, 'rank')} x "
+        f"{_plural(world.global_batch // (world.batch_size * world.world_size), 'accumulation step')}"
+        f"), which {world_size} ranks cannot keep ({world.global_batch} is not a "
         f"multiple of {world.batch_size} x {world_size}): resume on {shown} "
         f"{'rank' if sizes == [1] else 'ranks'}, or start a new run"
     )
 
 
-def _ranks(n: int) -> str:
-    return f"{n} rank" if n == 1 else f"{n} ranks"
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def check_launch(run_dir: Path, cfg: Any, world_size: int) -> None:
