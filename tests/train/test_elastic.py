@@ -103,3 +103,27 @@ def test_a_grad_worker_fraction_that_cannot_place_on_the_new_world_is_one_line()
     check_kfac_world(
         OmegaConf.create({"kfac": {"enabled": False, "grad_worker_fraction": "0.5"}}), 3
     )
+
+
+def test_the_multinode_agent_refuses_a_world_that_cannot_keep_the_global_batch_before_starting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kfac_bench.train.agent import main, torchrun_world_size
+    from tests.harness.util import TINY
+
+    assert (
+        torchrun_world_size(["--nnodes=2", "--nproc_per_node", "4", "-m", "x", "--nnodes=9"]) == 8
+    )
+    assert torchrun_world_size(["--nnodes=1:4", "--nproc-per-node=2"]) is None
+    assert torchrun_world_size(["--standalone", "--nproc-per-node=3"]) == 3
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "last.pt").write_bytes(
+        b"x"
+    )  # a checkpoint to resume (never read here)
+    record_world(run_dir, World(world_size=2, global_batch=64, batch_size=32))
+    command = ["-m", "kfac_bench.cli", "train", *TINY, f"hydra.run.dir={run_dir}"]
+    assert main(["--nnodes=1", "--nproc-per-node=4", *command]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "which 4 ranks cannot keep" in lines[0], lines
+    assert "resume on 1 or 2 ranks" in lines[0]
