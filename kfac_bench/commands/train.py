@@ -335,6 +335,9 @@ def _job(cfg: Any, run_dir: Path, overrides: list[str]) -> int:
         rundir.claim(run_dir, cfg)
         os.environ[rundir.LOCKED_ENV] = str(run_dir.resolve())
         try:
+            from kfac_bench.train.elastic import check_launch
+
+            check_launch(run_dir, cfg, launcher.nproc_per_node)  # before any rank starts
             return launch_torchrun(
                 overrides,
                 run_dir,

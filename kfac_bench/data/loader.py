@@ -38,10 +38,15 @@ def ignore_stop_signals(worker_id: int) -> None:
 
 
 class ResumableSampler(DistributedSampler):
-    """A ``DistributedSampler`` (shuffled, padded to equal shards) whose epoch can start at a given example.
+    """A ``DistributedSampler`` (shuffled, padded to equal shards) whose epoch can start at a given example
+    of the epoch's global order, on any number of ranks.
 
-    ``set_epoch(epoch, skip=k)`` reshuffles with ``seed + epoch`` (the same order on every restart) and
-    drops the first ``k`` indices of this rank's shard: those are the examples a preempted run already used.
+    An epoch's *global order* is the permutation of ``seed + epoch`` (the same on every restart), padded by
+    wrapping around as ``DistributedSampler`` pads; rank ``r`` of ``n`` takes positions ``r, r + n, ...``
+    of it, so a micro-batch of ``b`` examples on every rank consumes the next ``b * n`` positions, and a run
+    that has done ``k`` micro-batches per rank has consumed exactly the first ``k * b * n``.
+    ``set_epoch(epoch, start=p)`` drops the first ``p`` positions: a resumed run, on the same number of ranks
+    or another, continues at the example where the preempted one stopped (no example repeated or skipped).
 
     Note:
         Call ``set_epoch`` before every training epoch; otherwise every epoch repeats the first one's order.
@@ -49,18 +54,39 @@ class ResumableSampler(DistributedSampler):
 
     def __init__(self, dataset: Dataset[Any], num_replicas: int, rank: int, seed: int) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
-        self.skip = 0
+        self.start = 0
 
-    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+    def cover(self, positions: int) -> None:
+        """Make the global order at least ``positions`` long (an epoch planned on another number of ranks,
+        whose padding reaches further than this number's); a multiple of the number of ranks."""
+        if positions > self.total_size:
+            self.total_size = math.ceil(positions / self.num_replicas) * self.num_replicas
+            self.num_samples = self.total_size // self.num_replicas
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Reshuffle for ``epoch`` and begin at position ``start`` of its global order (the examples, over
+        all ranks, that the run consumed in this epoch before it was stopped)."""
         super().set_epoch(epoch)
-        self.skip = skip
+        if not 0 <= start <= self.total_size:
+            raise ValueError(f"start {start} is not in [0, {self.total_size}]")
+        self.start = start
+
+    def global_order(self) -> list[int]:
+        """This epoch's global order: dataset indices, padded by wrapping to ``total_size``."""
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        indices: list[int] = torch.randperm(len(self.dataset), generator=g).tolist()  # type: ignore[arg-type]
+        if len(indices) < self.total_size:
+            indices = (indices * math.ceil(self.total_size / len(indices)))[: self.total_size]
+        return indices
 
     def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())
-        return iter(indices[self.skip :])
+        return iter(
+            self.global_order()[self.start + self.rank : self.total_size : self.num_replicas]
+        )
 
     def __len__(self) -> int:
-        return self.num_samples - self.skip
+        return max(0, math.ceil((self.total_size - self.start - self.rank) / self.num_replicas))
 
 
 class ShardSampler(Sampler[int]):

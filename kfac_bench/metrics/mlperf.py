@@ -145,18 +145,28 @@ class MLPerfLog:
 
     # -- start, resume, stop ---------------------------------------------------------------------------
 
-    def begin(self, wall_s: float, resumed: bool, step: int = 0, samples: int = 0) -> None:
+    def begin(
+        self,
+        wall_s: float,
+        resumed: bool,
+        step: int = 0,
+        samples: int = 0,
+        world: Mapping[str, Any] | None = None,
+    ) -> None:
         """The run (or a resumed part of it) starts training with ``wall_s`` seconds already on its clock.
 
         A fresh run (or a resumed one whose checkpoint carries no log) starts a new file: header and
-        ``run_start``; a resumed run continues the restored log with a ``kfac_bench_resume`` marker.
+        ``run_start``; a resumed run continues the restored log with a ``kfac_bench_resume`` marker whose
+        value holds the step and ``world`` (the world size, platform and accumulation it continues on,
+        which may differ from the header's: the global batch does not).
         """
         if not self.enabled:
             return
         if resumed and self._restored_bytes is not None:
             if not self.stopped:  # after run_stop the MLPerf run is over: nothing more to mark
                 unix_ms = int(time.time() * 1e3)
-                self._event("kfac_bench_resume", {"step": step}, wall_s, unix_time_ms=unix_ms)
+                value = {"step": step, **(world or {})}
+                self._event("kfac_bench_resume", value, wall_s, unix_time_ms=unix_ms)
             return
         self._flush_truncate(0)
         self.stopped = self.in_block = False

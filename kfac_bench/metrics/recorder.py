@@ -94,16 +94,17 @@ class Recorder:
         if self.tb is not None:
             self.tb.purge_after(step)
 
-    def start(self, global_batch: int, resumed: bool) -> None:
+    def start(self, global_batch: int, resumed: bool, world: dict[str, Any] | None = None) -> None:
         """The run (or a resumed part of it) starts training: MLPerf's header and ``run_start`` (once per
-        run; a resumed run continues the log it restored)."""
+        run; a resumed run continues the log it restored, marking the resume with ``world``: the world
+        size, platform and accumulation it continues on)."""
         self._reset_window()
         self._stages_before = self.stages.totals()
         hyper = self.mlperf.facts.hyperparameters
         if "global_batch_size" not in hyper:
             self.mlperf.facts.hyperparameters = {"global_batch_size": global_batch, **hyper}
         s = self.state
-        self.mlperf.begin(s.wall.elapsed, resumed, s.step, s.samples)
+        self.mlperf.begin(s.wall.elapsed, resumed, s.step, s.samples, world=world)
 
     def on_epoch(self, started: bool) -> None:
         """An epoch starts (``started``) or ends; ``state.epoch`` counts the epochs completed before it."""

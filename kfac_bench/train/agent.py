@@ -150,6 +150,23 @@ def _train_overrides(args: Sequence[str]) -> list[str]:
     raise UserError("the command must end in -m kfac_bench.cli train [overrides ...]")
 
 
+def torchrun_world_size(args: Sequence[str]) -> int | None:
+    """The ranks a torchrun command line starts (``--nnodes`` x ``--nproc-per-node``), or None when it is
+    not a fixed number (an elastic ``--nnodes=1:4``, ``--nproc-per-node=gpu``)."""
+    values: dict[str, str] = {"nnodes": "1"}
+    args = list(args)
+    for i, arg in enumerate(args):
+        if arg in ("-m", "--module"):
+            break  # the training command's own arguments follow
+        name, eq, value = arg.lstrip("-").replace("_", "-").partition("=")
+        if name in ("nnodes", "nproc-per-node"):
+            values[name] = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+    nnodes, nproc = values["nnodes"], values.get("nproc-per-node", "1")
+    if not (nnodes.isdigit() and nproc.isdigit()):
+        return None
+    return int(nnodes) * int(nproc)
+
+
 def _preflight(args: Sequence[str], run_dir: Path) -> None:
     from kfac_bench.config.compose import compose_run
     from kfac_bench.train.preflight import check_run
@@ -159,6 +176,11 @@ def _preflight(args: Sequence[str], run_dir: Path) -> None:
     check_run(cfg)
     rundir.probe_lock(run_dir)
     rundir.check_config(run_dir, cfg)
+    world_size = torchrun_world_size(args)
+    if world_size is not None:
+        from kfac_bench.train.elastic import check_launch
+
+        check_launch(run_dir, cfg, world_size)  # before this node starts a rank
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import random
 import sys
@@ -35,6 +36,7 @@ from kfac_bench.train.checkpoint import (
     RNGState,
 )
 from kfac_bench.train.distributed import DistEnv
+from kfac_bench.train.elastic import World, accumulation_for
 from kfac_bench.train.loop import Loop
 from kfac_bench.train.mlperf_facts import run_facts
 from kfac_bench.train.optim import base_lr, build_lr_scheduler, build_optimizer, lr_factor
@@ -78,7 +80,8 @@ class Run:
     """Everything one run is made of, ready to resume and train.
 
     ``loop`` holds what the loop touches; ``checkpoints`` saves and restores the stateful parts;
-    ``recorder`` writes the measurements; ``plan`` is the batch arithmetic.
+    ``recorder`` writes the measurements; ``plan`` is the batch arithmetic of this job; ``world`` the world
+    the run started with (:mod:`kfac_bench.train.elastic`).
     """
 
     loop: Loop
@@ -86,6 +89,7 @@ class Run:
     recorder: Recorder
     plan: BatchPlan
     stages: StageTimes
+    world: World
 
 
 def seed_everything(seed: int) -> None:
@@ -110,11 +114,21 @@ def _autocast(device: torch.device, precision: Precision) -> Callable[[], Any]:
     return functools.partial(torch.autocast, device_type="cuda", dtype=dtype)
 
 
-def build_run(cfg: DictConfig, run_dir: Path, env: DistEnv, device: torch.device) -> Run:
+def build_run(
+    cfg: DictConfig,
+    run_dir: Path,
+    env: DistEnv,
+    device: torch.device,
+    starting_world_size: int | None = None,
+) -> Run:
     """Build a run from its composed config, for this rank of ``env`` on ``device``.
 
     The model is initialised from ``train.seed`` on every rank (identical weights); augmentation and
     dropout then draw from per-rank streams (``train.seed + rank``).
+
+    ``starting_world_size`` (default: ``env``'s) is the world size the run started with: its global batch,
+    steps per epoch and hyperparameters are that world's; ``env``'s ranks keep the global batch with more
+    or fewer accumulation steps (:mod:`kfac_bench.train.elastic`).
 
     Raises:
         UserError: a builder's problem with the user's data or settings (one line).
@@ -138,32 +152,27 @@ def build_run(cfg: DictConfig, run_dir: Path, env: DistEnv, device: torch.device
         pin_memory=device.type == "cuda",
         eval_batch_size=t.eval_batch_size,
     )
-    plan = plan_batches(
-        samples_per_rank=sampler.num_samples,
-        batch_size=t.batch_size,
-        world_size=env.world_size,
-        global_batch=t.global_batch_size,
-        accumulation=t.accumulation_steps,
-        limit_micro_batches=t.limit_train_batches,
-    )
+    plan, world = _plan(cfg, splits, env.world_size, starting_world_size or env.world_size)
+    sampler.cover(plan.steps_per_epoch * plan.global_batch)
+    w0 = world.world_size  # the hyperparameters' world size
     max_steps = min(t.epochs * plan.steps_per_epoch, t.max_steps or sys.maxsize)
     precision = Precision(t.precision)
     fp16_on_cuda = device.type == "cuda" and precision is Precision.fp16
     scaler = torch.amp.GradScaler("cuda") if fp16_on_cuda else None
-    optimizer = build_optimizer(module, cfg.optimizer, env.world_size)
+    optimizer = build_optimizer(module, cfg.optimizer, w0)
     factor = lr_factor(
         cfg.lr_schedule,
         plan.steps_per_epoch,
         max_steps,
-        env.world_size,
-        base_lr=base_lr(cfg.optimizer, env.world_size),
+        w0,
+        base_lr=base_lr(cfg.optimizer, w0),
     )
     scheduler = build_lr_scheduler(optimizer, factor)
     precond = build_preconditioner(
         module,
         cfg.kfac,
         steps_per_epoch=plan.steps_per_epoch,
-        world_size=env.world_size,
+        world_size=w0,
         accumulation_steps=plan.accumulation_steps,
         lr=lambda step: optimizer.param_groups[0]["lr"],
         grad_scaler=scaler,
@@ -175,7 +184,12 @@ def build_run(cfg: DictConfig, run_dir: Path, env: DistEnv, device: torch.device
             device_ids=[device] if device.type == "cuda" else None,
             find_unused_parameters=t.find_unused_parameters,
         )
-    state = TrainState(world_size=env.world_size)
+    state = TrainState(
+        world_size=env.world_size,
+        batch_size=t.batch_size,
+        global_batch=plan.global_batch,
+        reference_world_size=w0,
+    )
     tracker = TargetTracker(dict(t.targets), task.target_metric, bool(task.higher_is_better))
     stages = StageTimes(precond)
     recorder = Recorder(
@@ -198,6 +212,7 @@ def build_run(cfg: DictConfig, run_dir: Path, env: DistEnv, device: torch.device
             world_size=env.world_size,
             device=device,
             primary=tracker.primary,
+            starting_world_size=w0,
             init_start_s=init_start_s,
         ),
     )
@@ -250,4 +265,31 @@ def build_run(cfg: DictConfig, run_dir: Path, env: DistEnv, device: torch.device
         stop_at_target=t.stop_at_target,
         limit_eval_batches=t.limit_eval_batches,
     )
-    return Run(loop, checkpoints, recorder, plan, stages)
+    return Run(loop, checkpoints, recorder, plan, stages, world)
+
+
+def _plan(
+    cfg: DictConfig, splits: DataSplits, world_size: int, starting_world_size: int
+) -> tuple[BatchPlan, World]:
+    """This job's batch plan and the run's starting world: the epoch and the global batch are planned on
+    ``starting_world_size`` ranks; ``world_size`` ranks keep them with their own accumulation.
+
+    Raises:
+        ConfigError: the batch sizes do not fit, or ``world_size`` cannot keep the global batch.
+    """
+    t = cfg.train
+    n = len(splits.train)  # type: ignore[arg-type]
+    start = plan_batches(
+        samples_per_rank=math.ceil(n / starting_world_size),  # DistributedSampler's shard
+        batch_size=t.batch_size,
+        world_size=starting_world_size,
+        global_batch=t.global_batch_size,
+        accumulation=t.accumulation_steps,
+        limit_micro_batches=t.limit_train_batches,
+    )
+    world = World(starting_world_size, start.global_batch, t.batch_size)
+    if world_size == starting_world_size:
+        return start, world
+    accumulation = accumulation_for(world, world_size)
+    plan = BatchPlan(t.batch_size, world_size, accumulation, start.steps_per_epoch * accumulation)
+    return plan, world

@@ -179,7 +179,7 @@ def _agree(loop: Loop, local_loss: torch.Tensor) -> tuple[float, bool]:
 def _epoch_batches(loop: Loop) -> Iterator[list[Any]]:
     """This epoch's remaining micro-batches, grouped by optimizer step."""
     s = loop.state
-    loop.sampler.set_epoch(s.epoch, skip=s.micro_in_epoch * loop.batch_size)
+    loop.sampler.set_epoch(s.epoch, start=s.sample_in_epoch)
     remaining = loop.micro_per_epoch - s.micro_in_epoch
     it = itertools.islice(iter(loop.train_loader), remaining)
     while group := list(itertools.islice(it, loop.accumulation_steps)):

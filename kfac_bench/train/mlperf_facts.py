@@ -36,8 +36,11 @@ def run_facts(
     device: torch.device,
     primary: str,
     init_start_s: float,
+    starting_world_size: int | None = None,
 ) -> RunFacts:
-    """What ``mlperf.log``'s header states for the run ``cfg`` (see the module docstring)."""
+    """What ``mlperf.log``'s header states for the run ``cfg`` (see the module docstring) on ``world_size``
+    ranks; its hyperparameters are those of ``starting_world_size`` (default ``world_size``), the world the
+    run started with."""
     t = cfg.train
     eval_batch = t.eval_batch_size or t.batch_size
     eval_samples = len(splits.val)  # type: ignore[arg-type]
@@ -52,7 +55,7 @@ def run_facts(
         eval_samples=eval_samples,
         targets=dict(t.targets),
         primary=primary,
-        hyperparameters=hyperparameters(cfg, plan, max_steps, world_size),
+        hyperparameters=hyperparameters(cfg, plan, max_steps, starting_world_size or world_size),
     )
 
 

@@ -11,8 +11,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from kfac_bench.errors import UserError
 from kfac_bench.metrics import summary
-from kfac_bench.train import distributed, rundir, warm_start
-from kfac_bench.train.build import build_run
+from kfac_bench.train import distributed, elastic, rundir, warm_start
+from kfac_bench.train.build import build_run, seed_everything
 from kfac_bench.train.checkpoint import CHECKPOINT_DIR
 from kfac_bench.train.loop import run_loop
 from kfac_bench.train.signals import EXIT_REQUEUE, PreemptionFlag
@@ -85,11 +85,26 @@ def _train(
     init_from = cfg.train.init_from
     if init_from is not None and not (run_dir / CHECKPOINT_DIR).is_dir():
         warm_start.locate(init_from)  # a wrong path stops the run before anything is built
-    run = build_run(cfg, run_dir, env, device)
+    # The world the run started with (world.json) when it resumes, this job's when it starts.
+    starting = distributed.from_main(
+        elastic.starting_world(run_dir, bool(cfg.train.resume), env.world_size)
+        if env.is_main
+        else None
+    )
+    elastic.check_kfac_world(cfg, env.world_size)
+    run = build_run(cfg, run_dir, env, device, starting_world_size=starting)
     loop, state = run.loop, run.loop.state
     loop.preempt = flag
 
     resumed = run.checkpoints.load() if cfg.train.resume else False
+    if env.is_main:
+        elastic.record_world(run_dir, run.world)
+    if resumed and state.saved_world_size != env.world_size:
+        # The generators restored are rank 0's (the saved ranks do not map onto these): draw apart again.
+        seed_everything(
+            elastic.rank_seed(int(cfg.train.seed), state.step, env.rank, env.world_size)
+        )
+    moved = resumed and run.world.world_size != env.world_size
     if not resumed and init_from is not None:
         started = warm_start.start_from(init_from, loop.module, loop.optimizer, loop.precond)
         if env.is_main:
@@ -99,12 +114,26 @@ def _train(
             f"kfac-bench: run dir {run_dir} | world {env.world_size} on {device} | "
             f"kfac {'on' if loop.precond is not None else 'off'} | "
             f"{run.plan.steps_per_epoch} steps/epoch, global batch {run.plan.global_batch}"
-            + (f" | resumed at step {state.step}" if resumed else ""),
+            + (f" | resumed at step {state.step}" if resumed else "")
+            + (
+                f" (run started on {run.world.world_size} ranks: "
+                f"{run.plan.accumulation_steps} accumulation steps keep its global batch)"
+                if moved
+                else ""
+            ),
             flush=True,
         )
     # Records after the resumed step belong to a future this run no longer has: drop them.
     run.recorder.rewind(state.step)
-    run.recorder.start(run.plan.global_batch, resumed)
+    run.recorder.start(
+        run.plan.global_batch,
+        resumed,
+        world={
+            "world_size": env.world_size,
+            "platform": run.recorder.mlperf.facts.platform,
+            "gradient_accumulation_steps": run.plan.accumulation_steps,
+        },
+    )
 
     status: str | None = None
     try:

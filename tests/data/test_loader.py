@@ -36,7 +36,7 @@ def test_resuming_mid_epoch_skips_exactly_the_consumed_examples() -> None:
     train, _, sampler = build_loaders(splits(40, 5), batch_size=4, world_size=1, rank=0, seed=1)
     sampler.set_epoch(3)
     whole = indices(train)
-    sampler.set_epoch(3, skip=3 * 4)  # three micro-batches were done before the preemption
+    sampler.set_epoch(3, start=3 * 4)  # three micro-batches were done before the preemption
     assert indices(train) == whole[12:]
 
 

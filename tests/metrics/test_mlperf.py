@@ -100,7 +100,12 @@ def test_a_resumed_run_is_one_run_in_the_log(tmp_path: Path) -> None:
     # The log before the resume is part 1's, up to its checkpoint (run_stop came after it: dropped).
     assert log[: keys.index("kfac_bench_resume")] == first[: len(first) - 1]
     resume = log[keys.index("kfac_bench_resume")]
-    assert resume["value"] == {"step": 8}
+    assert resume["value"] == {
+        "step": 8,
+        "world_size": 1,
+        "platform": "1xcpu",
+        "gradient_accumulation_steps": 1,
+    }
     # One clock: monotone, and run_stop - run_start is the run's working time, without the gap between
     # the two processes.
     times = [e["time_ms"] for e in log]

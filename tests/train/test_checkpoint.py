@@ -95,13 +95,24 @@ def test_a_part_the_checkpoint_lacks_is_a_one_line_config_error(tmp_path: Path) 
         CheckpointManager(tmp_path, {"counter": Counter(), "precond": Counter()}).load()
 
 
-def test_train_state_from_another_world_size_restarts_the_epoch() -> None:
-    saved = TrainState(epoch=3, step=40, micro_in_epoch=6, world_size=2).state_dict()
-    same, other = TrainState(world_size=2), TrainState(world_size=4)
-    same.load_state_dict(saved)
-    other.load_state_dict(saved)
-    assert same.micro_in_epoch == 6 and other.micro_in_epoch == 0
-    assert same.epoch == other.epoch == 3 and same.step == other.step == 40
+def test_train_state_from_another_world_size_continues_at_the_same_example() -> None:
+    run = {"batch_size": 8, "global_batch": 64, "reference_world_size": 2}
+    saved = TrainState(epoch=3, step=40, micro_in_epoch=6, world_size=2, **run).state_dict()
+    assert saved["sample_in_epoch"] == 6 * 8 * 2
+    same, fewer, more = (TrainState(world_size=n, **run) for n in (2, 1, 4))
+    for state in (same, fewer, more):
+        state.load_state_dict(saved)
+        assert state.sample_in_epoch == 96 and (state.epoch, state.step) == (3, 40)
+    assert (same.micro_in_epoch, fewer.micro_in_epoch, more.micro_in_epoch) == (6, 12, 3)
+    with pytest.raises(ConfigError, match="not a whole number of micro-batches"):
+        TrainState(world_size=8, **run).load_state_dict(saved)
+    with pytest.raises(ConfigError, match="global batch 64 as started on 2"):
+        TrainState(
+            world_size=2, batch_size=8, global_batch=32, reference_world_size=1
+        ).load_state_dict(saved)
+    legacy = {k: v for k, v in saved.items() if k not in run and k != "sample_in_epoch"}
+    with pytest.raises(ConfigError, match="resume on 2 ranks"):
+        TrainState(world_size=4, **run).load_state_dict(legacy)
 
 
 def test_clocks_and_stage_times_accumulate_over_restarts() -> None:
