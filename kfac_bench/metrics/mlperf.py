@@ -39,11 +39,13 @@ from typing import Any
 __all__ = [
     "ACCURACY_KEYS",
     "DIVISION",
+    "MLPERF_BENCHMARKS",
     "MLPERF_FILE",
     "RULESET",
     "MLPerfLog",
     "RunFacts",
     "accuracy_value",
+    "writes_log",
 ]
 
 MLPERF_FILE = "mlperf.log"
@@ -54,11 +56,23 @@ RULESET = "3.1.0"
 #: K-FAC is not the reference optimizer, and the paper's baselines keep the paper's hyperparameters (see
 #: README "Time to target and MLPerf logs"): every run is an open-division result.
 DIVISION = "open"
+#: The ``train.benchmark_name`` values that are MLPerf Training benchmarks (its ``submission_benchmark``
+#: names, ``mlperf_logging.mllog.constants``) that this project's recipes reproduce: only their runs write
+#: ``mlperf.log`` by default, since the compliance checker has no rules for any other name.
+MLPERF_BENCHMARKS = ("resnet", "maskrcnn", "bert")
 #: ``eval_accuracy``'s value for a benchmark whose MLPerf rules read several metrics (our metric -> MLPerf
 #: key; mlperf-logging training_3.1.0/closed_maskrcnn.yaml reads ``v['value']['BBOX']`` and ``['SEGM']``).
 ACCURACY_KEYS: dict[str, dict[str, str]] = {"maskrcnn": {"bbox_map": "BBOX", "segm_map": "SEGM"}}
 #: Statuses of a finished run that stop the MLPerf run (a preempted or crashed run is not finished).
 _STOPPING = {"success": "success", "target_not_reached": "aborted", "diverged": "aborted"}
+
+
+def writes_log(setting: bool | None, benchmark: str, timed_run: bool = True) -> bool:
+    """Whether a run writes ``mlperf.log``: ``train.mlperf_log`` when set, else (auto) exactly for a timed
+    run (not ``train.mode=benchmark``) of one of :data:`MLPERF_BENCHMARKS`."""
+    if setting is not None:
+        return bool(setting)
+    return timed_run and benchmark in MLPERF_BENCHMARKS
 
 
 @dataclass

@@ -133,6 +133,8 @@ def _train(
             device=device,
             config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
         )
+        if loop.step_timer is not None:  # train.mode=benchmark
+            result["benchmark"] = loop.step_timer.summary()
         summary.write_summary(run_dir, result)
         print(summary.report_line(result, run_dir), flush=True)
         if status == "preempted":  # last: the checkpoint and summary are complete
