@@ -1,5 +1,6 @@
-"""``mlperf.log``: one MLPerf training log per run, written with the ``mlperf-logging`` package, that the
-package's compliance checker accepts and whose ``run_start`` -> ``run_stop`` is the run's time to target.
+"""``mlperf.log``: one MLPerf training log per run of an MLPerf benchmark (:func:`writes_log`), written with
+the ``mlperf-logging`` package, that the package's compliance checker accepts and whose ``run_start`` ->
+``run_stop`` is the run's time to target.
 
 What a run logs (rank 0; keys as in ``mlperf_logging.mllog.constants``):
 
@@ -122,7 +123,7 @@ class MLPerfLog:
     Args:
         path: the log file.
         facts: the header's contents.
-        enabled: False on ranks other than 0 or with ``train.mlperf_log=false``: nothing is written.
+        enabled: False on ranks other than 0 or when the run writes no log (:func:`writes_log`).
     """
 
     def __init__(self, path: Path, facts: RunFacts, *, enabled: bool = True) -> None:
