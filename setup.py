@@ -1,8 +1,9 @@
-"""Build step: ship the top-level ``configs/`` and ``recipes/`` inside the wheel.
+"""Build step: ship the top-level ``configs/``, ``recipes/`` and ``launch/`` inside the wheel.
 
-All metadata lives in pyproject.toml. The two folders stay at the top of the source tree, where users look
-for them; building a wheel copies them to ``kfac_bench/_configs`` and ``kfac_bench/_recipes``, which
-:func:`kfac_bench.config.config_dir` / ``recipes_dir`` prefer when present (a non-editable install).
+All metadata lives in pyproject.toml. The folders stay at the top of the source tree, where users look
+for them; building a wheel copies them to ``kfac_bench/_configs``, ``kfac_bench/_recipes`` and
+``kfac_bench/_launch``, which :func:`kfac_bench.config.config_dir` / ``recipes_dir`` / ``launch_dir`` prefer
+when present (a non-editable install; ``kfac-bench launch-scripts`` prints where the scripts are).
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
-SHIPPED = {"configs": "_configs", "recipes": "_recipes"}
+SHIPPED = {"configs": "_configs", "recipes": "_recipes", "launch": "_launch"}
 
 
 class BuildPyWithConfigs(build_py):
-    """``build_py`` that also copies the Hydra config groups and the recipes into the package."""
+    """``build_py`` that also copies the Hydra config groups, the recipes and the launch scripts into the
+    package."""
 
     def run(self) -> None:
         super().run()

@@ -15,7 +15,7 @@ __all__ = ["main", "usage"]
 
 def usage() -> str:
     """``kfac-bench --help``: every subcommand's summary."""
-    lines = ["usage: kfac-bench <command> [args]", "", "commands:"]
+    lines = ["usage: kfac-bench <command> [args]   (kfac-bench --version)", "", "commands:"]
     lines += [load(name).SUMMARY.rstrip() for name in COMMANDS]
     return "\n".join(lines) + "\n"
 
@@ -25,6 +25,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage(), end="")
+        return 0
+    if args[0] in ("-V", "--version"):
+        from importlib.metadata import version
+
+        print(f"kfac-bench {version('kfac-bench')}")
         return 0
     command, rest = args[0], args[1:]
     try:

@@ -8,9 +8,10 @@
 #
 # Then: kfac-bench compare --chain lamb=runs/bert-chain-lamb-lamb/phase1,...,.../squad --chain kfac=...
 # (the script prints the exact line). Requeued jobs resume from their fixed run directories.
-# Environment: CHAIN_DIR (runs/bert-chain-<p1>-<p2>), NODES (2: the paper's 16 A100), SQUAD_GPUS (1: the
-# authors' run_squad.sh), SQUAD_ARGS (the SQuAD files, e.g. "dataset.train_file=... dataset.vocab_file=..."),
-# P1_ARGS / P2_ARGS (e.g. P1_ARGS=train.max_steps=6000 for Table 4b), SBATCH (sbatch).
+# Environment: CHAIN_DIR (runs/bert-chain-<p1>-<p2>), NODES (2) x GPUS_PER_NODE (8): the paper's 16 A100
+# for pretraining, SQUAD_GPUS (1: the authors' run_squad.sh), SQUAD_ARGS (the SQuAD files, e.g.
+# "dataset.train_file=... dataset.vocab_file=..."), P1_ARGS / P2_ARGS (e.g. P1_ARGS=train.max_steps=6000
+# for Table 4b), SBATCH (sbatch).
 set -euo pipefail
 
 if [ "$#" -ne 2 ] || [[ ! "$1 $2" =~ ^(lamb|kfac)\ (lamb|kfac)$ ]]; then
@@ -29,11 +30,12 @@ submit() {  # sbatch --parsable prints "jobid" or "jobid;cluster"
   out=$("${SBATCH:-sbatch}" --parsable "$@")
   echo "${out%%;*}"
 }
-job1=$(submit --nodes="${nodes}" --export="ALL,RUN_DIR=${dir}/phase1" launch/slurm.sbatch \
-  "+recipe=$(recipe 1 "$1")" "${p1_args[@]}")
-job2=$(submit --nodes="${nodes}" --dependency="afterok:${job1}" --export="ALL,RUN_DIR=${dir}/phase2" \
-  launch/slurm.sbatch "+recipe=$(recipe 2 "$2")" "model.init_checkpoint=${dir}/phase1/checkpoints/last.pt" \
-  "${p2_args[@]}")
+gpus=${GPUS_PER_NODE:-8}
+job1=$(submit --nodes="${nodes}" --gpus-per-node="${gpus}" --export="ALL,RUN_DIR=${dir}/phase1" \
+  launch/slurm.sbatch "+recipe=$(recipe 1 "$1")" "${p1_args[@]}")
+job2=$(submit --nodes="${nodes}" --gpus-per-node="${gpus}" --dependency="afterok:${job1}" \
+  --export="ALL,RUN_DIR=${dir}/phase2" launch/slurm.sbatch "+recipe=$(recipe 2 "$2")" \
+  "model.init_checkpoint=${dir}/phase1/checkpoints/last.pt" "${p2_args[@]}")
 job3=$(submit --nodes=1 --gpus-per-node="${SQUAD_GPUS:-1}" --dependency="afterok:${job2}" \
   --export="ALL,RUN_DIR=${dir}/squad,GPUS_PER_NODE=${SQUAD_GPUS:-1}" launch/slurm.sbatch \
   "+recipe=bert_large_squad" "model.init_checkpoint=${dir}/phase2/checkpoints/last.pt" "${squad_args[@]}")

@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "plan": "plan",
     "prepare-bert": "prepare_bert",
     "squad-eval": "squad_eval",
+    "launch-scripts": "launch_scripts",
 }
 
 

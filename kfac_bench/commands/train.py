@@ -94,7 +94,7 @@ def help_text() -> str:
         "examples:",
         "  kfac-bench train                                  # the bundled digits job (SGD + K-FAC, CPU)",
         "  kfac-bench train +recipe=digits_sgd train.epochs=5  # its first-order baseline, shorter",
-        "  kfac-bench train +recipe=digits launcher=torchrun launcher.nproc_per_node=2",
+        "  kfac-bench train +recipe=digits launcher=torchrun launcher.nproc_per_node=2 train.device=cpu",
         "  kfac-bench train -m +recipe=digits_sgd,digits train.seed=0,1,2  # a sweep (Hydra multirun)",
         "  kfac-bench demo                                   # both digits arms x 3 seeds, compared",
         "  kfac-bench train --cfg job                        # print the composed config",
@@ -205,7 +205,24 @@ def main(args: Sequence[str]) -> int:
         if _secondary_rank():
             return exc.exit_code  # rank 0 says it
         raise
-    return _run_hydra(normalize_overrides(args))
+    shared = _run_dir_from_rank_0(overrides, multirun=bool(names & {"-m", "--multirun"}))
+    if shared and _secondary_rank():
+        # Hydra would create a directory of this rank's own (another time stamp and suffix) holding only
+        # .hydra/; the rank trains in rank 0's instead (kfac_bench.train.run.train), so it writes none.
+        args = [*args, "hydra.output_subdir=null", "hydra.run.dir=."]
+    return _run_hydra(normalize_overrides(args), shared)
+
+
+def _run_dir_from_rank_0(overrides: Sequence[str], multirun: bool) -> bool:
+    """Whether this is a rank of a job started without a run directory (a plain ``torchrun -m kfac_bench.cli
+    train``): every rank would generate a name of its own, so all take rank 0's. The launchers and launch
+    scripts name one (``hydra.run.dir``) for every rank."""
+    from kfac_bench.train.distributed import detect
+    from kfac_bench.train.launch import inside_launched_worker
+
+    if multirun or not inside_launched_worker() or not detect().distributed:
+        return False
+    return not any(o.startswith("hydra.run.dir=") for o in overrides)
 
 
 def _check_flags(flags: list[str]) -> set[str]:
@@ -277,7 +294,7 @@ def _job_part(cfg: Any) -> Any:
     return OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
 
 
-def _run_hydra(args: list[str]) -> int:
+def _run_hydra(args: list[str], run_dir_from_rank_0: bool = False) -> int:
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig
@@ -297,7 +314,7 @@ def _run_hydra(args: list[str]) -> int:
         hc = HydraConfig.get()
         run_dir = Path(hc.runtime.output_dir)
         try:
-            statuses.append(_job(cfg, run_dir, list(hc.overrides.task)))
+            statuses.append(_job(cfg, run_dir, list(hc.overrides.task), run_dir_from_rank_0))
         except UserError as exc:
             if not _secondary_rank():
                 print(f"kfac-bench: error: {exc}", file=sys.stderr, flush=True)
@@ -323,7 +340,7 @@ def _run_hydra(args: list[str]) -> int:
     return max(statuses, default=0)
 
 
-def _job(cfg: Any, run_dir: Path, overrides: list[str]) -> int:
+def _job(cfg: Any, run_dir: Path, overrides: list[str], run_dir_from_rank_0: bool = False) -> int:
     from kfac_bench.train import rundir
     from kfac_bench.train.launch import inside_launched_worker, launch_torchrun
     from kfac_bench.train.preflight import check_run
@@ -350,4 +367,4 @@ def _job(cfg: Any, run_dir: Path, overrides: list[str]) -> int:
             rundir.release(run_dir)
     from kfac_bench.train.run import train
 
-    return int(train(cfg, run_dir))
+    return int(train(cfg, run_dir, run_dir_from_rank_0=run_dir_from_rank_0))

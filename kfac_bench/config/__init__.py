@@ -2,7 +2,8 @@
 
 ``configs/`` (config groups) and ``recipes/`` (one flat file per benchmark) sit at the top of the source tree;
 a wheel carries them as ``kfac_bench/_configs`` and ``kfac_bench/_recipes`` (copied by ``setup.py``'s build
-step), so ``+recipe=NAME`` works from a non-editable install too.
+step), so ``+recipe=NAME`` works from a non-editable install too; likewise ``launch/`` (the torchrun and
+SLURM scripts) as ``kfac_bench/_launch``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["config_dir", "flat_config", "recipes_dir"]
+__all__ = ["config_dir", "flat_config", "launch_dir", "recipes_dir"]
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 
@@ -33,6 +34,11 @@ def config_dir() -> Path:
 def recipes_dir() -> Path:
     """The directory holding the recipe files (``NAME.yaml``) and their README."""
     return _locate("recipes")
+
+
+def launch_dir() -> Path:
+    """The directory holding the launch scripts (``slurm.sbatch``, ``torchrun_multinode.sh``, ...)."""
+    return _locate("launch")
 
 
 def flat_config(config: Mapping[str, Any], skip: Sequence[str] = ()) -> dict[str, Any]:

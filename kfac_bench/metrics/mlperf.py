@@ -1,5 +1,6 @@
-"""``mlperf.log``: one MLPerf training log per run, written with the ``mlperf-logging`` package, that the
-package's compliance checker accepts and whose ``run_start`` -> ``run_stop`` is the run's time to target.
+"""``mlperf.log``: one MLPerf training log per run of an MLPerf benchmark (:func:`writes_log`), written with
+the ``mlperf-logging`` package, that the package's compliance checker accepts and whose ``run_start`` ->
+``run_stop`` is the run's time to target.
 
 What a run logs (rank 0; keys as in ``mlperf_logging.mllog.constants``):
 
@@ -39,11 +40,13 @@ from typing import Any
 __all__ = [
     "ACCURACY_KEYS",
     "DIVISION",
+    "MLPERF_BENCHMARKS",
     "MLPERF_FILE",
     "RULESET",
     "MLPerfLog",
     "RunFacts",
     "accuracy_value",
+    "writes_log",
 ]
 
 MLPERF_FILE = "mlperf.log"
@@ -54,11 +57,23 @@ RULESET = "3.1.0"
 #: K-FAC is not the reference optimizer, and the paper's baselines keep the paper's hyperparameters (see
 #: README "Time to target and MLPerf logs"): every run is an open-division result.
 DIVISION = "open"
+#: The ``train.benchmark_name`` values that are MLPerf Training benchmarks (its ``submission_benchmark``
+#: names, ``mlperf_logging.mllog.constants``) that this project's recipes reproduce: only their runs write
+#: ``mlperf.log`` by default, since the compliance checker has no rules for any other name.
+MLPERF_BENCHMARKS = ("resnet", "maskrcnn", "bert")
 #: ``eval_accuracy``'s value for a benchmark whose MLPerf rules read several metrics (our metric -> MLPerf
 #: key; mlperf-logging training_3.1.0/closed_maskrcnn.yaml reads ``v['value']['BBOX']`` and ``['SEGM']``).
 ACCURACY_KEYS: dict[str, dict[str, str]] = {"maskrcnn": {"bbox_map": "BBOX", "segm_map": "SEGM"}}
 #: Statuses of a finished run that stop the MLPerf run (a preempted or crashed run is not finished).
 _STOPPING = {"success": "success", "target_not_reached": "aborted", "diverged": "aborted"}
+
+
+def writes_log(setting: bool | None, benchmark: str, timed_run: bool = True) -> bool:
+    """Whether a run writes ``mlperf.log``: ``train.mlperf_log`` when set, else (auto) exactly for a timed
+    run (not ``train.mode=benchmark``) of one of :data:`MLPERF_BENCHMARKS`."""
+    if setting is not None:
+        return bool(setting)
+    return timed_run and benchmark in MLPERF_BENCHMARKS
 
 
 @dataclass
@@ -108,7 +123,7 @@ class MLPerfLog:
     Args:
         path: the log file.
         facts: the header's contents.
-        enabled: False on ranks other than 0 or with ``train.mlperf_log=false``: nothing is written.
+        enabled: False on ranks other than 0 or when the run writes no log (:func:`writes_log`).
     """
 
     def __init__(self, path: Path, facts: RunFacts, *, enabled: bool = True) -> None:

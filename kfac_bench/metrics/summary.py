@@ -136,9 +136,20 @@ def run_summary(
 
 
 def report_line(result: dict[str, Any], run_dir: Path) -> str:
-    """The line a run prints when it ends: status, time-to-target (or why not), run directory."""
+    """The line a run prints when it ends: status, time-to-target (or why not) or a benchmark's throughput,
+    run directory."""
     metric = result["target_metric"]
-    if result["reached_target"]:
+    bench = result.get("benchmark")
+    if bench is not None:
+        times = bench["step_time_s"]
+        line = (
+            f"benchmark: {bench['timed_steps']} steps timed after {bench['warmup_steps']} warm-up"
+        )
+        if times is not None:
+            line += f": {bench['samples_per_s']:.1f} samples/s, step time " + ", ".join(
+                f"{q} {times[q] * 1e3:.1f} ms" for q in ("p50", "p90", "p99")
+            )
+    elif result["reached_target"]:
         line = (
             f"time-to-target: {result['time_to_target_s']:.1f} s "
             f"({result['epochs_to_target']:.2f} epochs) for {metric} >= {result['target_value']}"

@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Clock", "StageTimes", "TargetTracker", "Throughput"]
+__all__ = ["Clock", "StageTimes", "StepTimer", "TargetTracker", "Throughput", "percentile"]
 
 
 class Clock:
@@ -118,6 +118,61 @@ class Throughput:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.steps, self.samples = state_dict["steps"], state_dict["samples"]
         self.step_time_s = state_dict["step_time_s"]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values``, linearly interpolated between the closest ranks (NumPy's
+    default method)."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of no values")
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+class StepTimer:
+    """``train.mode=benchmark``'s measurement: the wall time from the end of one optimizer step to the end of
+    the next (so data loading and the start of each epoch count), for every step after ``warmup`` untimed
+    ones. Not checkpointed: a benchmark is one process's measurement."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.steps = 0
+        self.samples = 0
+        self.times: list[float] = []
+        self._last: float | None = None
+
+    def start(self) -> None:
+        """The clock of the first step starts now (the loop starts)."""
+        self._last = time.perf_counter()
+
+    def tick(self, samples: int) -> None:
+        """One optimizer step of ``samples`` examples (over all ranks) ended now."""
+        now = time.perf_counter()
+        self.steps += 1
+        if self.steps > self.warmup and self._last is not None:
+            self.times.append(now - self._last)
+            self.samples += samples
+        self._last = now
+
+    def summary(self) -> dict[str, Any]:
+        """Warm-up and timed steps, samples/s over the timed steps, and their step time's mean and
+        p50/p90/p99 in seconds (None without a timed step)."""
+        total = sum(self.times)
+        return {
+            "warmup_steps": min(self.steps, self.warmup),
+            "timed_steps": len(self.times),
+            "samples": self.samples,
+            "samples_per_s": self.samples / total if total > 0 else None,
+            "step_time_s": {
+                "mean": total / len(self.times),
+                **{f"p{q}": percentile(self.times, q) for q in (50, 90, 99)},
+            }
+            if self.times
+            else None,
+        }
 
 
 class StageTimes:

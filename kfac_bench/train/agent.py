@@ -33,7 +33,14 @@ from kfac_bench.errors import UserError
 from kfac_bench.train import rundir
 from kfac_bench.train.signals import EXIT_REQUEUE, PreemptionFlag
 
-__all__ = ["child_pids", "main", "run_dir_of", "run_torchrun"]
+__all__ = [
+    "child_pids",
+    "main",
+    "run_dir_of",
+    "run_torchrun",
+    "torchrun_world_size",
+    "world_size_of",
+]
 
 #: Signals torchrun's agent may keep for itself: a lost terminal, SIGQUIT. Preemption signals are ours.
 _AGENT_SIGNALS = "SIGHUP,SIGQUIT"
@@ -150,21 +157,46 @@ def _train_overrides(args: Sequence[str]) -> list[str]:
     raise UserError("the command must end in -m kfac_bench.cli train [overrides ...]")
 
 
+def _option(args: Sequence[str], name: str, default: str) -> str:
+    """The value of torchrun's option ``--name=V`` / ``--name V`` before ``-m`` (the last one wins)."""
+    value = default
+    head = list(args[: args.index("-m")] if "-m" in args else args)
+    for i, arg in enumerate(head):
+        if arg.startswith(f"{name}="):
+            value = arg.split("=", 1)[1]
+        elif arg == name and i + 1 < len(head):
+            value = head[i + 1]
+    return value
+
+
+def world_size_of(args: Sequence[str]) -> int:
+    """The ranks torchrun's ``args`` start over all nodes (``--nnodes`` may be a range ``MIN:MAX``;
+    ``--nproc-per-node=gpu`` is this node's CUDA device count, as torchrun counts it).
+
+    Raises:
+        UserError: ``--nproc-per-node=gpu`` on a machine without a CUDA device.
+    """
+    nnodes = int(_option(args, "--nnodes", "1").split(":")[-1])
+    nproc = _option(args, "--nproc-per-node", _option(args, "--nproc_per_node", "1"))
+    if nproc in ("gpu", "auto"):
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 and nproc == "gpu":
+            raise UserError(
+                "--nproc-per-node=gpu (one rank per GPU) but this machine has no usable CUDA device: "
+                "run on a GPU node, or set the ranks per node (GPUS_PER_NODE=N) and pass train.device=cpu"
+            )
+        return nnodes * max(count, 1 if nproc == "gpu" else os.cpu_count() or 1)
+    return nnodes * int(nproc)
+
+
 def torchrun_world_size(args: Sequence[str]) -> int | None:
-    """The ranks a torchrun command line starts (``--nnodes`` x ``--nproc-per-node``), or None when it is
-    not a fixed number (an elastic ``--nnodes=1:4``, ``--nproc-per-node=gpu``)."""
-    values: dict[str, str] = {"nnodes": "1"}
-    args = list(args)
-    for i, arg in enumerate(args):
-        if arg in ("-m", "--module"):
-            break  # the training command's own arguments follow
-        name, eq, value = arg.lstrip("-").replace("_", "-").partition("=")
-        if name in ("nnodes", "nproc-per-node"):
-            values[name] = value if eq else (args[i + 1] if i + 1 < len(args) else "")
-    nnodes, nproc = values["nnodes"], values.get("nproc-per-node", "1")
-    if not (nnodes.isdigit() and nproc.isdigit()):
+    """The ranks torchrun's ``args`` start when that is one fixed number, None for an elastic
+    ``--nnodes=MIN:MAX`` (the ranks then check the world they find themselves)."""
+    if ":" in _option(args, "--nnodes", "1"):
         return None
-    return int(nnodes) * int(nproc)
+    return world_size_of(args)
 
 
 def _preflight(args: Sequence[str], run_dir: Path) -> None:
@@ -173,7 +205,7 @@ def _preflight(args: Sequence[str], run_dir: Path) -> None:
 
     overrides = [o for o in _train_overrides(args) if not o.startswith("hydra.")]
     cfg = compose_run(overrides)
-    check_run(cfg)
+    check_run(cfg, world_size=world_size_of(args))
     rundir.probe_lock(run_dir)
     rundir.check_config(run_dir, cfg)
     world_size = torchrun_world_size(args)

@@ -27,8 +27,9 @@ from kfac_bench.data.base import DataSplits
 from kfac_bench.data.batching import BatchPlan, plan_batches
 from kfac_bench.data.loader import build_loaders
 from kfac_bench.errors import UserError
+from kfac_bench.metrics.mlperf import writes_log
 from kfac_bench.metrics.recorder import Recorder
-from kfac_bench.metrics.tracker import StageTimes, TargetTracker
+from kfac_bench.metrics.tracker import StageTimes, StepTimer, TargetTracker
 from kfac_bench.train.checkpoint import (
     CHECKPOINT_DIR,
     CheckpointManager,
@@ -156,6 +157,11 @@ def build_run(
     sampler.cover(plan.steps_per_epoch * plan.global_batch)
     w0 = world.world_size  # the hyperparameters' world size
     max_steps = min(t.epochs * plan.steps_per_epoch, t.max_steps or sys.maxsize)
+    epochs = t.epochs
+    benchmark = str(t.mode.value) == "benchmark"
+    if benchmark:  # warm-up and timed steps, over as many epochs as they take
+        max_steps = t.benchmark_warmup_steps + t.benchmark_steps
+        epochs = -(-max_steps // plan.steps_per_epoch)
     precision = Precision(t.precision)
     fp16_on_cuda = device.type == "cuda" and precision is Precision.fp16
     scaler = torch.amp.GradScaler("cuda") if fp16_on_cuda else None
@@ -202,7 +208,7 @@ def build_run(
         progress=str(t.progress.value),
         log_every_steps=t.log_every_steps,
         tensorboard=t.tensorboard,
-        mlperf=t.mlperf_log,
+        mlperf=writes_log(t.mlperf_log, str(t.benchmark_name), timed_run=not benchmark),
         benchmark=t.benchmark_name,
         facts=run_facts(
             cfg,
@@ -253,7 +259,7 @@ def build_run(
         preempt=PreemptionFlag(),
         accumulation_steps=plan.accumulation_steps,
         micro_per_epoch=plan.micro_per_epoch,
-        epochs=t.epochs,
+        epochs=epochs,
         max_steps=max_steps,
         world_size=env.world_size,
         batch_size=t.batch_size,
@@ -262,8 +268,10 @@ def build_run(
         eval_every_steps=t.eval_every_steps,
         checkpoint_every_epochs=t.checkpoint_every_epochs,
         checkpoint_every_steps=t.checkpoint_every_steps,
+        checkpoint_at_end=t.checkpoint_at_end,
         stop_at_target=t.stop_at_target,
         limit_eval_batches=t.limit_eval_batches,
+        step_timer=StepTimer(t.benchmark_warmup_steps) if benchmark else None,
     )
     return Run(loop, checkpoints, recorder, plan, stages, world)
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kfac_bench.metrics.recorder import Recorder
-from kfac_bench.metrics.tracker import TargetTracker
+from kfac_bench.metrics.tracker import StepTimer, TargetTracker
 from kfac_bench.train.checkpoint import CheckpointManager
 from kfac_bench.train.signals import PreemptionFlag
 from kfac_bench.train.state import TrainState
@@ -37,7 +37,8 @@ class Loop:
 
     ``model`` is what the forward pass calls (the DDP wrapper when distributed); ``module`` is the bare
     model (evaluation, checkpoints). ``recorder`` receives the measurements (it does not change the order);
-    ``tracker`` is the run's one stop test; ``checkpoints`` saves every stateful part.
+    ``tracker`` is the run's one stop test; ``checkpoints`` saves every stateful part. With ``step_timer``
+    (``train.mode=benchmark``) the loop only trains and times its steps: no evaluation, no checkpoint.
     """
 
     model: nn.Module
@@ -68,8 +69,10 @@ class Loop:
     eval_every_steps: int | None = None
     checkpoint_every_epochs: int = 1
     checkpoint_every_steps: int | None = None
+    checkpoint_at_end: bool = True
     stop_at_target: bool = False
     limit_eval_batches: int | None = None
+    step_timer: StepTimer | None = None
 
 
 def run_loop(loop: Loop) -> str:
@@ -79,11 +82,15 @@ def run_loop(loop: Loop) -> str:
     one).
 
     Returns:
-        The run status: ``success``, ``target_not_reached``, ``diverged`` or ``preempted``.
+        The run status: ``success``, ``target_not_reached``, ``diverged`` or ``preempted`` (a benchmark that
+        ran its steps: ``success``).
     """
     s = loop.state
     ddp = isinstance(loop.model, nn.parallel.DistributedDataParallel)
+    timer = loop.step_timer
     s.wall.start()
+    if timer is not None:
+        timer.start()
     loop.module.train()
     while s.epoch < loop.epochs and s.step < loop.max_steps:
         if s.micro_in_epoch == 0:  # a run resumed mid-epoch continues the epoch it logged
@@ -127,20 +134,24 @@ def run_loop(loop: Loop) -> str:
             if loop.device.type == "cuda":
                 torch.cuda.synchronize(loop.device)
             s.throughput.add(time.perf_counter() - t0, examples * loop.world_size)
+            if timer is not None:
+                timer.tick(examples * loop.world_size)
             loop.recorder.on_step(mean_loss, loop.optimizer.param_groups[0]["lr"])
-            if _due(s.step, loop.eval_every_steps):
+            if timer is None and _due(s.step, loop.eval_every_steps):
                 evaluate(loop)
                 s.train_clock.start()
                 if loop.stop_at_target and loop.tracker.reached:
-                    loop.checkpoints.save(s.step)
+                    if loop.checkpoint_at_end:
+                        loop.checkpoints.save(s.step)
                     return "success"
-            if _due(s.step, loop.checkpoint_every_steps):
+            if timer is None and _due(s.step, loop.checkpoint_every_steps):
                 s.train_clock.stop()
                 loop.checkpoints.save(s.step)
                 s.train_clock.start()
             if preempted:
                 s.train_clock.stop()
-                loop.checkpoints.save(s.step)
+                if timer is None:
+                    loop.checkpoints.save(s.step)
                 return "preempted"
             if s.step >= loop.max_steps:
                 break
@@ -151,16 +162,22 @@ def run_loop(loop: Loop) -> str:
         s.epoch += 1
         s.micro_in_epoch = 0
         finished = s.epoch >= loop.epochs or s.step >= loop.max_steps
+        if timer is not None:
+            continue  # a benchmark: no evaluation, no checkpoint
         if (_due(s.epoch, loop.eval_every_epochs) or finished) and s.last_eval_step != s.step:
             evaluate(loop)
             if loop.stop_at_target and loop.tracker.reached:
-                loop.checkpoints.save(s.step)
+                if loop.checkpoint_at_end:
+                    loop.checkpoints.save(s.step)
                 return "success"
         if _due(s.epoch, loop.checkpoint_every_epochs) and not finished:
             loop.checkpoints.save(s.step)
+    if timer is not None:
+        return "success"
     if s.last_eval_step != s.step:
         evaluate(loop)
-    loop.checkpoints.save(s.step)
+    if loop.checkpoint_at_end:
+        loop.checkpoints.save(s.step)
     return "success" if loop.tracker.reached or not loop.tracker.targets else "target_not_reached"
 
 

@@ -1,6 +1,7 @@
 """Checks of a composed run config that need more than its schema, made once in the launching process
-before any rank starts: every bound (:mod:`kfac_bench.config.bounds`), a CUDA device when one is asked for,
-and targets only on metrics the task reports."""
+before any rank starts: every bound (:mod:`kfac_bench.config.bounds`), a CUDA device when one is asked for
+(or, for a job of several ranks, unless the CPU is asked for), and targets only on metrics the task
+reports."""
 
 from __future__ import annotations
 
@@ -9,24 +10,48 @@ from typing import Any
 from kfac_bench.config.bounds import validate_run
 from kfac_bench.errors import ConfigError
 
-__all__ = ["check_device", "check_run", "check_targets"]
+__all__ = ["check_device", "check_run", "check_targets", "launched_world_size"]
 
 
-def check_device(cfg: Any) -> None:
-    """``train.device=cuda`` needs a CUDA device on this machine.
+def check_device(cfg: Any, world_size: int = 1) -> None:
+    """``train.device=cuda`` needs a CUDA device on this machine; so does a job of ``world_size`` > 1
+    ranks with ``train.device=auto``: several ranks on the CPU are almost always a GPU request that went
+    missing (``sbatch`` without ``--gpus-per-node``), so they train there only when asked to
+    (``train.device=cpu``).
 
     Raises:
         ConfigError: one line.
     """
     import torch
 
-    if str(getattr(cfg.train.device, "value", cfg.train.device)) == "cuda" and not (
-        torch.cuda.is_available()
-    ):
+    device = str(getattr(cfg.train.device, "value", cfg.train.device))
+    if device == "cpu" or torch.cuda.is_available():
+        return
+    if device == "cuda":
         raise ConfigError(
             "train.device=cuda but this machine has no usable CUDA device "
             "(torch.cuda.is_available() is False): use train.device=auto or train.device=cpu"
         )
+    if world_size > 1:
+        raise ConfigError(
+            f"a job of {world_size} ranks with train.device=auto but this machine has no usable CUDA "
+            "device, so every rank would train on the CPU: request GPUs (sbatch --gpus-per-node=N) or "
+            "pass train.device=cpu to train on the CPU on purpose"
+        )
+
+
+def launched_world_size(cfg: Any) -> int:
+    """The ranks of the job this process starts or belongs to: the job's world size inside a
+    torchrun/SLURM job, ``launcher.nproc_per_node`` when this process launches ranks itself, else 1."""
+    from kfac_bench.train.distributed import detect
+    from kfac_bench.train.launch import inside_launched_worker
+
+    if inside_launched_worker():
+        return detect().world_size
+    launcher = cfg.launcher
+    if str(getattr(launcher.name, "value", launcher.name)) == "torchrun":
+        return int(launcher.nproc_per_node)
+    return 1
 
 
 def check_targets(cfg: Any) -> None:
@@ -55,12 +80,13 @@ def check_targets(cfg: Any) -> None:
         )
 
 
-def check_run(cfg: Any) -> None:
-    """All of the above, in order: bounds, device, targets.
+def check_run(cfg: Any, world_size: int | None = None) -> None:
+    """All of the above, in order: bounds, device, targets. ``world_size``: the ranks of the job (default:
+    :func:`launched_world_size`).
 
     Raises:
         ConfigError: the first problem, as one line.
     """
     validate_run(cfg)
-    check_device(cfg)
+    check_device(cfg, launched_world_size(cfg) if world_size is None else world_size)
     check_targets(cfg)

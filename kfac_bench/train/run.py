@@ -29,8 +29,9 @@ def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def train(cfg: DictConfig, run_dir: Path) -> int:
+def train(cfg: DictConfig, run_dir: Path, run_dir_from_rank_0: bool = False) -> int:
     """Train as configured, writing everything under ``run_dir``; returns the process exit status.
+    ``run_dir_from_rank_0`` (every rank passes the same): the ranks share rank 0's ``run_dir``.
 
     Raises:
         UserError: one line (the run directory is in use or records another config, no checkpoint is
@@ -45,6 +46,8 @@ def train(cfg: DictConfig, run_dir: Path) -> int:
     owns_lock = False
     try:
         distributed.setup(env, device)
+        if run_dir_from_rank_0:
+            run_dir = Path(distributed.from_main(str(run_dir.resolve())))
         owns_lock = _claim(cfg, run_dir, env)
         status = _train(cfg, run_dir, env, device, flag)
     finally:
@@ -162,6 +165,8 @@ def _train(
             device=device,
             config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
         )
+        if loop.step_timer is not None:  # train.mode=benchmark
+            result["benchmark"] = loop.step_timer.summary()
         summary.write_summary(run_dir, result)
         print(summary.report_line(result, run_dir), flush=True)
         if status == "preempted":  # last: the checkpoint and summary are complete

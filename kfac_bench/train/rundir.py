@@ -72,6 +72,7 @@ MAY_CHANGE_ON_RESUME: tuple[str, ...] = (
     "train.checkpoint_every_epochs",
     "train.checkpoint_every_steps",
     "train.keep_checkpoints",
+    "train.checkpoint_at_end",
     "train.resume",
     # Where and how the same computation runs: input workers, CPU threads, evaluation batch (evaluation
     # sums over examples), DDP's unused-parameter search, stopping once the target is met.

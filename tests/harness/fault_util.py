@@ -142,6 +142,8 @@ def slurm_env(
         or 'if [ "$1 $2" = "show hostnames" ]; then echo 127.0.0.1; else echo "$*" >> "$SCONTROL_LOG"; fi\n',
     )
     e = env()
+    for gpus in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE", "CUDA_VISIBLE_DEVICES"):
+        e.pop(gpus, None)  # the GPU count is the test's to give
     e.update(
         PATH=f"{bin_dir}{os.pathsep}{e['PATH']}",
         PYTHON=sys.executable,

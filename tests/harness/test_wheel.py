@@ -1,4 +1,5 @@
-"""configs/ and recipes/ ship in the wheel: a non-editable install composes and runs a recipe."""
+"""configs/, recipes/ and launch/ ship in the wheel: a non-editable install composes and runs a recipe and
+says where its launch scripts are."""
 
 from __future__ import annotations
 
@@ -61,6 +62,13 @@ def test_wheel_contains_configs_and_recipes(wheel: Path) -> None:
     assert "kfac_bench/_recipes/README.md" in names
 
 
+def test_wheel_contains_the_launch_scripts(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    scripts = {p.name for p in (REPO / "launch").iterdir() if p.is_file()}
+    assert {"slurm.sbatch", "torchrun_multinode.sh", "bert_chain.sh"} <= scripts
+    assert {f"kfac_bench/_launch/{name}" for name in scripts} <= names
+
+
 def test_installed_wheel_runs_a_recipe_outside_the_source_tree(wheel: Path, tmp_path: Path) -> None:
     target = tmp_path / "site"
     subprocess.run(
@@ -97,6 +105,17 @@ def test_installed_wheel_runs_a_recipe_outside_the_source_tree(wheel: Path, tmp_
         str(target / "kfac_bench" / "_configs"),
         str(target / "kfac_bench" / "_recipes"),
     ]
+    where = subprocess.run(
+        [sys.executable, "-m", "kfac_bench.cli", "launch-scripts"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    launch = Path(where.stdout.strip())
+    assert launch == target / "kfac_bench" / "_launch"
+    assert (launch / "slurm.sbatch").read_text() == (REPO / "launch" / "slurm.sbatch").read_text()
     result = subprocess.run(
         [
             sys.executable,

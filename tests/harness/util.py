@@ -20,6 +20,7 @@ TINY = [
     "train.cpu_threads=1",
     "train.progress=lines",
     "train.tensorboard=false",
+    "train.device=cpu",  # on purpose: several ranks with device=auto on a machine without CUDA refuse
 ]
 
 REPO = Path(__file__).resolve().parents[2]

@@ -232,6 +232,7 @@ def test_kfac_smoke_on_two_ranks_with_hybrid_opt(
         f"dataset.root={smoke_runs['shards128']}",
         "launcher=torchrun",
         "launcher.nproc_per_node=2",
+        "train.device=cpu",
         "train.batch_size=4",
         *CLI_QUIET,
         f"hydra.run.dir={tmp_path / 'run'}",

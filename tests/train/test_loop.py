@@ -29,7 +29,7 @@ def _train(tmp: Path, *overrides: str) -> dict:
 
 @pytest.mark.parametrize("kfac", ["none", "comm_opt"])
 def test_run_records_time_to_accuracy(tmp_path: Path, kfac: str) -> None:
-    s = _train(tmp_path, f"kfac={kfac}", "train.targets.top1=0.0")
+    s = _train(tmp_path, f"kfac={kfac}", "train.targets.top1=0.0", "train.mlperf_log=true")
     records = read_jsonl(tmp_path / "eval.jsonl")
     assert [r["step"] for r in records] == [6, 12] and [r["epoch"] for r in records] == [1.0, 2.0]
     for r in records:
@@ -91,7 +91,13 @@ def test_accumulation_matches_the_large_batch(tmp_path: Path) -> None:
 
 def test_nan_loss_stops_with_diverged_and_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
     # The LR jumps by 1e20 after the first epoch: the second epoch's loss becomes non-finite.
-    s = _train(tmp_path, "kfac=none", "lr_schedule.milestones=[1]", "lr_schedule.gamma=1e20")
+    s = _train(
+        tmp_path,
+        "kfac=none",
+        "lr_schedule.milestones=[1]",
+        "lr_schedule.gamma=1e20",
+        "train.mlperf_log=true",
+    )
     assert s["status"] == "diverged"
     saved = _saved(tmp_path)
     assert saved["step"] == saved["train_state"]["step"] == 6
