@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from kfac_bench import torchfile
 from kfac_bench.errors import ConfigError, UserError
 from kfac_bench.train import checkpoint_files as files
 from kfac_bench.train.distributed import from_main
@@ -137,7 +138,7 @@ class CheckpointManager:
         if path is None:
             return False
         if saved is None:
-            saved = torch.load(path, map_location="cpu", weights_only=False)
+            saved = torchfile.load(path)  # rank 0 read it already: any error here is one line too
             self.loaded_path = Path(path)
         missing = [name for name in self.parts if name not in saved]
         if missing:
@@ -212,10 +213,18 @@ class RNGState:
 
     @staticmethod
     def local() -> dict[str, Any]:
-        """This process's generator states."""
+        """This process's generator states, as tensors and plain values (a checkpoint is data only: see
+        :mod:`kfac_bench.torchfile`)."""
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
         state: dict[str, Any] = {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
+            "python": random.getstate(),  # (version, tuple of ints, None)
+            "numpy": {
+                "kind": str(kind),
+                "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            },
             "torch": torch.get_rng_state(),
         }
         if torch.cuda.is_available():
@@ -226,7 +235,9 @@ class RNGState:
     def set_local(state: dict[str, Any]) -> None:
         """Set this process's generators to ``state`` (from :meth:`local`)."""
         random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
+        n = state["numpy"]
+        keys = n["keys"].numpy().astype(np.uint32)
+        np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
