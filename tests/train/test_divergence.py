@@ -127,6 +127,10 @@ def test_a_nan_gradient_behind_a_finite_loss_is_never_saved(tmp_path: Path) -> N
     with pytest.raises(UserError, match="diverged") as info:
         train(tiny_cfg(*NAN_GRAD), tmp_path)
     assert "\n" not in str(info.value)
+    # train.resume=false starts the run over (it diverges at the same step again).
+    (tmp_path / "summary.json").unlink()
+    assert train(tiny_cfg(*NAN_GRAD, "train.resume=false"), tmp_path) == 0
+    assert strict((tmp_path / "summary.json").read_text())["divergence"]["step"] == 3
 
 
 def test_a_non_finite_save_writes_nothing_and_rotates_nothing(tmp_path: Path) -> None:
