@@ -23,6 +23,7 @@ ROOT = Path(kfac_bench.__file__).resolve().parent
 LAYER = {
     "kfac": 0,
     "errors": 0,
+    "torchfile": 0,  # the one data-only torch.load (imports errors and torch)
     "config": 1,
     "data": 1,
     "models": 1,

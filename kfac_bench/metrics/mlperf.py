@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kfac_bench.metrics.sinks import json_safe
+
 __all__ = [
     "ACCURACY_KEYS",
     "DIVISION",
@@ -156,6 +158,7 @@ class MLPerfLog:
         self, key: str, value: Any = None, wall_s: float | None = None, **metadata: Any
     ) -> None:
         time_ms = self._ms(wall_s) if wall_s is not None else None
+        value, metadata = json_safe(value), json_safe(metadata)  # NaN -> null: the lines stay JSON
         self.log.event(key=key, value=value, metadata=metadata or None, time_ms=time_ms)
 
     # -- start, resume, stop ---------------------------------------------------------------------------

@@ -5,6 +5,7 @@ Sinks do not depend on the loop's order, so they are plain objects the loop call
 
 Files in the run directory:
     ``eval.jsonl``: one line per evaluation: step, epoch, samples, wall_time_s, train_time_s, metrics.
+        Strict JSON: a non-finite number (a diverged run's metric) is written as ``null`` (:func:`json_safe`).
     ``tb/``: TensorBoard events (``train/loss``, ``train/lr``, ``train/samples_per_s``, ``kfac/<stage>_s``,
     ``eval/<metric>``).
 """
@@ -12,13 +13,27 @@ Files in the run directory:
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EVAL_FILE", "JsonlSink", "TensorBoardSink", "read_jsonl"]
+__all__ = ["EVAL_FILE", "JsonlSink", "TensorBoardSink", "json_safe", "read_jsonl"]
 
 EVAL_FILE = "eval.jsonl"
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with every non-finite float (NaN, +-inf) inside dicts, lists and tuples replaced by ``None``:
+    ``json.dumps`` would write them as ``NaN``/``Infinity``, which is not JSON and which strict parsers
+    (``jq``, JavaScript, most non-Python readers) reject."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {key: json_safe(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(value) for value in obj]
+    return obj
 
 
 class JsonlSink:
@@ -30,7 +45,7 @@ class JsonlSink:
 
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
+            f.write(json.dumps(json_safe(record), sort_keys=True, allow_nan=False) + "\n")
             f.flush()
 
     def truncate_after(self, step: int) -> int:

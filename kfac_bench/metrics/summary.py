@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kfac_bench.metrics.sinks import json_safe
 from kfac_bench.metrics.tracker import TargetTracker, Throughput
 
 if TYPE_CHECKING:
@@ -55,10 +56,12 @@ def peak_memory_bytes(device: torch.device) -> dict[str, int]:
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
-    """Write ``summary.json`` atomically (a temporary file, then rename)."""
+    """Write ``summary.json`` atomically (a temporary file, then rename); a non-finite number (a diverged
+    run's loss or metric) is written as ``null``, so the file is strict JSON."""
     path = Path(run_dir) / SUMMARY_FILE
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+    text = json.dumps(json_safe(summary), indent=2, sort_keys=True, default=str, allow_nan=False)
+    tmp.write_text(text + "\n")
     os.replace(tmp, path)
     return path
 
@@ -83,6 +86,7 @@ def run_summary(
     world_size: int,
     device: torch.device,
     config: dict[str, Any],
+    divergence: tuple[int, str] | None = None,
 ) -> dict[str, Any]:
     """The ``summary.json`` of a run: status, time-to-target (wall and training seconds, epochs, steps),
     best and final metrics, throughput, K-FAC stage seconds, memory and coverage (which layers it
@@ -91,6 +95,7 @@ def run_summary(
     Args:
         precond: the preconditioner, or None for a first-order run.
         config: the resolved run config as plain containers.
+        divergence: (step, what was non-finite) of a diverged run.
     """
     import torch
 
@@ -102,6 +107,7 @@ def run_summary(
     return {
         "name": name,
         "status": status,
+        "divergence": {"step": divergence[0], "what": divergence[1]} if divergence else None,
         "target_metric": tracker.primary,
         "targets": tracker.targets,
         "target_value": tracker.targets.get(tracker.primary),

@@ -23,6 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers: building ne
 
 from transformers import BertConfig, BertForPreTraining
 
+from kfac_bench import torchfile
 from kfac_bench.errors import ConfigError
 
 __all__ = ["BERT_KFAC_SKIP_LAYERS", "BERT_PRESETS", "bert_config", "build_bert", "load_model_state"]
@@ -96,9 +97,12 @@ def load_model_state(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     Accepts a plain ``state_dict`` or a dict holding it under ``"model"`` (a kfac-bench training
     checkpoint); strips the ``module.`` prefix of DDP and the ``_orig_mod.`` prefix of ``torch.compile``.
 
-    Note:
-        The file is unpickled with ``weights_only=False`` because training checkpoints also hold RNG and
-        optimizer state; load only checkpoints you produced or trust.
+    The file is read as data only (:func:`kfac_bench.torchfile.load`): a file whose pickle names code is
+    refused unread.
+
+    Raises:
+        ConfigError: the file is missing or holds no model state_dict.
+        kfac_bench.torchfile.RefusedFile, kfac_bench.torchfile.UnreadableFile: one line naming the file.
     """
     file = Path(path)
     if not file.is_file():
@@ -106,7 +110,7 @@ def load_model_state(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
             f"model.init_checkpoint '{file}' does not exist: give the phase-1 run's checkpoint file "
             "(e.g. RUN_DIR/checkpoints/last.pt)"
         )
-    obj: Any = torch.load(file, map_location="cpu", weights_only=False)
+    obj: Any = torchfile.load(file, what="model.init_checkpoint")
     if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
         obj = obj["model"]
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):

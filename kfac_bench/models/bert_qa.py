@@ -23,6 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers: building ne
 
 from transformers import BertForQuestionAnswering
 
+from kfac_bench import torchfile
 from kfac_bench.data.squad import load_squad_tokenizer
 from kfac_bench.errors import ConfigError, UserError
 from kfac_bench.models.bert import bert_config, load_model_state
@@ -46,7 +47,12 @@ def load_pretrained_encoder(path: str | os.PathLike[str]) -> dict[str, torch.Ten
         )
     try:
         state = load_model_state(file)
-    except UserError:
+    except torchfile.UnreadableFile as err:
+        raise ConfigError(
+            f"model.init_checkpoint '{file}' is not a PyTorch checkpoint ({err.reason}): "
+            "give a BERT phase-2 run's checkpoints/last.pt"
+        ) from None
+    except UserError:  # refused (it would run code), or no model state in it
         raise
     except Exception as err:  # torch.load raises format-specific errors for a non-checkpoint
         reason = (str(err).splitlines() or [""])[0][:120]

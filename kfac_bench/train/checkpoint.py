@@ -21,7 +21,7 @@ import os
 import random
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -29,21 +29,72 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from kfac_bench import torchfile
 from kfac_bench.errors import ConfigError, UserError
 from kfac_bench.train import checkpoint_files as files
 from kfac_bench.train.distributed import from_main
 
 __all__ = [
     "CHECKPOINT_DIR",
+    "FINITE_PARTS",
     "CheckpointManager",
+    "NonFiniteState",
     "PreconditionerState",
     "RNGState",
     "Stateful",
+    "nonfinite",
     "save_atomic",
 ]
 
 CHECKPOINT_DIR = "checkpoints"
 LAST = files.LAST
+#: Parts whose floating-point tensors must all be finite for a checkpoint to be written or resumed: the
+#: weights, the optimizer's moments and K-FAC's factors and decompositions.
+FINITE_PARTS = ("model", "optimizer", "precond")
+
+
+class NonFiniteState(Exception):
+    """A checkpoint would hold non-finite values (the run diverged): it is not written.
+
+    Attributes:
+        step: the optimizer step of the checkpoint.
+        what: which values, in words (e.g. ``model: 5122/5122 values non-finite (first: fc.weight)``).
+    """
+
+    def __init__(self, step: int, what: str) -> None:
+        super().__init__(f"non-finite state at step {step}: {what}")
+        self.step, self.what = step, what
+
+
+def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(dotted key, tensor) of every tensor inside nested dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from _tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _tensors(value, f"{prefix}.{i}" if prefix else str(i))
+
+
+def nonfinite(payload: Mapping[str, Any], parts: tuple[str, ...] = FINITE_PARTS) -> str | None:
+    """None if every floating-point tensor of ``parts`` of ``payload`` is finite, else what is not, in
+    words (per part: how many values of how many, and the first tensor holding one)."""
+    found = []
+    for part in parts:
+        bad = total = 0
+        first = None
+        for key, t in _tensors(payload.get(part)):
+            if not (t.is_floating_point() or t.is_complex()):
+                continue
+            n = int(t.numel() - torch.isfinite(t).sum())
+            bad, total = bad + n, total + t.numel()
+            if n and first is None:
+                first = key
+        if bad:
+            found.append(f"{part}: {bad}/{total} values non-finite (first: {first})")
+    return "; ".join(found) or None
 
 
 @runtime_checkable
@@ -98,20 +149,38 @@ class CheckpointManager:
         """The file the newest checkpoint is in."""
         return self.folder / LAST
 
+    def newest(self) -> Path | None:
+        """The newest checkpoint file (in save order, unverified), or None if there is none."""
+        found, _ = files.candidates(self.folder) if self.folder.is_dir() else ([], [])
+        return found[0].path if found else None
+
     def save(self, step: int) -> None:
-        """Checkpoint every part as of optimizer step ``step``."""
+        """Checkpoint every part as of optimizer step ``step``.
+
+        Raises:
+            NonFiniteState: a part of :data:`FINITE_PARTS` holds a NaN or infinity: nothing is written (the
+                newest checkpoint stays the last finite one, and keep-K rotation deletes nothing).
+            UserError: the file cannot be written (one line; the earlier checkpoints are intact).
+        """
         payload: dict[str, Any] = {name: part.state_dict() for name, part in self.parts.items()}
         payload["step"] = step
-        error = None
+        error: tuple[str, str] | None = None  # (kind, message)
         if self.is_main:
-            try:
-                self._write(payload)
-            except UserError as exc:
-                error = str(exc)
+            what = nonfinite(payload)
+            if what is not None:
+                error = ("nonfinite", what)
+            else:
+                try:
+                    self._write(payload)
+                except UserError as exc:
+                    error = ("write", str(exc))
         # Every rank learns whether the file made it (this is also the barrier after the write).
         error = from_main(error)
         if error is not None:
-            raise UserError(error)
+            kind, message = error
+            if kind == "nonfinite":
+                raise NonFiniteState(step, message)
+            raise UserError(message)
 
     def load(self) -> bool:
         """Restore every part from the newest good checkpoint; False (nothing changed) if there is none.
@@ -122,6 +191,7 @@ class CheckpointManager:
         Raises:
             UserError: checkpoints exist but none is good (one line naming them).
             ConfigError: the checkpoint lacks a part this run has (it was written with other settings).
+            UserError: the checkpoint holds non-finite weights, optimizer or K-FAC state (one line).
         """
         choice: tuple[str | None, str | None] = (None, None)  # (file to read, error)
         saved = None
@@ -137,8 +207,14 @@ class CheckpointManager:
         if path is None:
             return False
         if saved is None:
-            saved = torch.load(path, map_location="cpu", weights_only=False)
+            saved = torchfile.load(path)  # rank 0 read it already: any error here is one line too
             self.loaded_path = Path(path)
+        what = nonfinite(saved)
+        if what is not None:  # written before checkpoints were checked: never continue from NaN
+            raise UserError(
+                f"checkpoint {path} (step {saved.get('step')}) holds non-finite state ({what}): the run "
+                "diverged before it was saved; start a new run directory (lower optimizer.lr)"
+            )
         missing = [name for name in self.parts if name not in saved]
         if missing:
             raise ConfigError(
@@ -212,10 +288,18 @@ class RNGState:
 
     @staticmethod
     def local() -> dict[str, Any]:
-        """This process's generator states."""
+        """This process's generator states, as tensors and plain values (a checkpoint is data only: see
+        :mod:`kfac_bench.torchfile`)."""
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
         state: dict[str, Any] = {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
+            "python": random.getstate(),  # (version, tuple of ints, None)
+            "numpy": {
+                "kind": str(kind),
+                "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            },
             "torch": torch.get_rng_state(),
         }
         if torch.cuda.is_available():
@@ -226,7 +310,9 @@ class RNGState:
     def set_local(state: dict[str, Any]) -> None:
         """Set this process's generators to ``state`` (from :meth:`local`)."""
         random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
+        n = state["numpy"]
+        keys = n["keys"].numpy().astype(np.uint32)
+        np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])

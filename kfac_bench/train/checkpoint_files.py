@@ -7,12 +7,13 @@ Layout of ``<run dir>/checkpoints/``::
     last.pt               the newest checkpoint (a hard link to its step file, else a symlink), for tools
                           that take a path (BERT phase 2's ``model.init_checkpoint``)
 
-A checkpoint is *good* when its file has the size and SHA-256 its manifest records and ``torch.load`` reads
-it. Checkpoints are ordered by ``seq`` (a save counter), not by step, so a run restarted from an older
-checkpoint never mistakes an abandoned later one for its newest. Each write goes to a temporary file in the
-same folder, is fsynced and renamed; the manifest follows the same way; only then are checkpoints beyond
-the newest K deleted, so a failed write (disk full, read-only folder) leaves every earlier checkpoint intact.
-A folder from before manifests (a lone ``last.pt``) is read as one unverified checkpoint.
+A checkpoint is *good* when its file has the size and SHA-256 its manifest records and
+:func:`kfac_bench.torchfile.load` reads it as data (tensors and plain containers: a file whose pickle names
+code is refused, never loaded). Checkpoints are ordered by ``seq`` (a save counter), not by step, so a run
+restarted from an older checkpoint never mistakes an abandoned later one for its newest. Each write goes to a
+temporary file in the same folder, is fsynced and renamed; the manifest follows the same way; only then are
+checkpoints beyond the newest K deleted, so a failed write (disk full, read-only folder) leaves every earlier
+checkpoint intact. A folder from before manifests (a lone ``last.pt``) is read as one unverified checkpoint.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+from kfac_bench import torchfile
 from kfac_bench.errors import UserError
 
 __all__ = [
@@ -129,6 +131,8 @@ def load_newest_good(
 
     Raises:
         NoGoodCheckpoint: checkpoints exist but none is good.
+        torchfile.RefusedFile: the newest checkpoint that passes its manifest's checks is a pickle that
+            names code (planted, or another program's), or one of an older kfac-bench: nothing is loaded.
     """
     found, unreadable = candidates(folder)
     rejected = [
@@ -138,8 +142,12 @@ def load_newest_good(
         problem = _problem(candidate)
         if problem is None:
             try:
-                payload = torch.load(candidate.path, map_location="cpu", weights_only=False)
-            except Exception as exc:  # any corruption that passed the checks (or a legacy file)
+                # Data only: a file whose pickle names code raises RefusedFile, which stops the run
+                # here (never set aside and never skipped for an older one: it may be hostile).
+                payload = torchfile.load(candidate.path)
+            except torchfile.UnreadableFile as exc:  # corruption that passed the checks (or legacy)
+                problem = f"unreadable: {exc.reason}"
+            except OSError as exc:
                 problem = f"unreadable: {_first_line(exc)}"
             else:
                 if isinstance(payload, dict):

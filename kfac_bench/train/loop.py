@@ -24,7 +24,7 @@ from torch import nn
 
 from kfac_bench.metrics.recorder import Recorder
 from kfac_bench.metrics.tracker import StepTimer, TargetTracker
-from kfac_bench.train.checkpoint import CheckpointManager
+from kfac_bench.train.checkpoint import CheckpointManager, NonFiniteState
 from kfac_bench.train.signals import PreemptionFlag
 from kfac_bench.train.state import TrainState
 
@@ -73,18 +73,30 @@ class Loop:
     stop_at_target: bool = False
     limit_eval_batches: int | None = None
     step_timer: StepTimer | None = None
+    #: Set when the run diverged: (step, what was non-finite, in words).
+    divergence: tuple[int, str] | None = None
 
 
 def run_loop(loop: Loop) -> str:
     """Train until the epoch/step budget, the target (with ``stop_at_target``), divergence or preemption.
 
-    A non-finite loss stops the run before any parameter changes (the last checkpoint stays the last good
-    one).
+    The run diverges on a non-finite loss (it stops before any parameter changes) or when a checkpoint
+    would hold a non-finite weight, optimizer or K-FAC value (it is not written): either way the newest
+    checkpoint stays the last finite one, and ``loop.divergence`` says where and what.
 
     Returns:
         The run status: ``success``, ``target_not_reached``, ``diverged`` or ``preempted`` (a benchmark that
         ran its steps: ``success``).
     """
+    try:
+        return _run(loop)
+    except NonFiniteState as exc:
+        loop.state.train_clock.stop()
+        loop.divergence = (exc.step, exc.what)
+        return "diverged"
+
+
+def _run(loop: Loop) -> str:
     s = loop.state
     ddp = isinstance(loop.model, nn.parallel.DistributedDataParallel)
     timer = loop.step_timer
@@ -114,6 +126,7 @@ def run_loop(loop: Loop) -> str:
             if not math.isfinite(mean_loss):
                 loop.optimizer.zero_grad(set_to_none=True)
                 s.train_clock.stop()
+                loop.divergence = (s.step + 1, f"non-finite loss {mean_loss}")
                 return "diverged"
             if loop.scaler is not None:
                 loop.scaler.unscale_(loop.optimizer)

@@ -164,11 +164,22 @@ def _train(
             world_size=env.world_size,
             device=device,
             config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
+            divergence=loop.divergence,
         )
         if loop.step_timer is not None:  # train.mode=benchmark
             result["benchmark"] = loop.step_timer.summary()
         summary.write_summary(run_dir, result)
         print(summary.report_line(result, run_dir), flush=True)
+        if loop.divergence is not None:
+            step, what = loop.divergence
+            last = run.checkpoints.newest()
+            rundir.mark_diverged(run_dir, step, what, last)
+            print(
+                f"kfac-bench: diverged at step {step} ({what}); kept "
+                + (f"{last} as the last finite checkpoint" if last else "no checkpoint")
+                + ": start a new run directory with a lower optimizer.lr",
+                flush=True,
+            )
         if status == "preempted":  # last: the checkpoint and summary are complete
             rundir.mark_preempted(run_dir, state.step, flag.signum)
     return status

@@ -10,6 +10,10 @@ Files it keeps in the run directory:
     ``preempted``: written by rank 0 after a preemption checkpoint (and the summary), removed when the
         run starts again. It carries "preempted" across torchrun, which turns a rank's exit status into
         its own: launchers requeue when it is there, and only then.
+    ``diverged``: written by rank 0 when the run diverged (a non-finite loss, or non-finite weights,
+        optimizer or K-FAC state at a checkpoint, which is then not written): the step and what was
+        non-finite. Running the same command again stops with one line instead of resuming into NaN
+        (``train.resume=false`` starts the run over and removes it).
 """
 
 from __future__ import annotations
@@ -32,16 +36,19 @@ from kfac_bench.errors import ConfigError, UserError
 
 __all__ = [
     "CONFIG_FILE",
+    "DIVERGED_FILE",
     "LOCKED_ENV",
     "LOCK_FILE",
     "MAY_CHANGE_ON_RESUME",
     "PREEMPTED_FILE",
     "check_config",
+    "check_not_diverged",
     "claim",
     "clear_preempted",
     "config_drift",
     "lock",
     "locked_by_launcher",
+    "mark_diverged",
     "mark_preempted",
     "probe_lock",
     "record_config",
@@ -52,6 +59,7 @@ __all__ = [
 LOCK_FILE = "run.lock"
 CONFIG_FILE = "config.yaml"
 PREEMPTED_FILE = "preempted"
+DIVERGED_FILE = "diverged"
 #: Set by a launching process that holds the lock for its ranks (the value is the run directory).
 LOCKED_ENV = "KFAC_BENCH_LOCKED_RUN_DIR"
 
@@ -238,15 +246,20 @@ def record_config(run_dir: Path, cfg: DictConfig) -> None:
 
 
 def claim(run_dir: Path, cfg: DictConfig) -> None:
-    """Make ``run_dir`` this run's: take the lock, check the config against the recorded one, remove
-    temporary files a killed writer left, record the config, and remove an earlier attempt's preemption
-    marker.
+    """Make ``run_dir`` this run's: take the lock, check that the run there did not diverge and that the
+    config is the recorded one, remove temporary files a killed writer left, record the config, and remove
+    an earlier attempt's preemption marker.
 
     Raises:
-        UserError: the directory is in use, not writable, or records another config (one line).
+        UserError: the directory is in use, not writable, holds a diverged run, or records another config
+            (one line).
     """
     lock(run_dir)
     try:
+        if OmegaConf.select(cfg, "train.resume", default=True):
+            check_not_diverged(run_dir)
+        else:
+            (Path(run_dir) / DIVERGED_FILE).unlink(missing_ok=True)  # the run starts over
         check_config(run_dir, cfg)
         for orphan in Path(run_dir).glob(".*.tmp"):  # left by a writer that was killed mid-write
             orphan.unlink(missing_ok=True)
@@ -264,6 +277,33 @@ def mark_preempted(run_dir: Path, step: int, signum: int | None) -> None:
     """Record that the run stopped for preemption at ``step`` with its checkpoint written."""
     name = f"signal {signum}" if signum is not None else "signal"
     (Path(run_dir) / PREEMPTED_FILE).write_text(f"step {step} {name}\n")
+
+
+def mark_diverged(run_dir: Path, step: int, what: str, last_checkpoint: Path | None) -> None:
+    """Record that the run diverged at ``step`` (``what``: which values were non-finite) and which
+    checkpoint is its last finite one."""
+    kept = f"last finite checkpoint {last_checkpoint}" if last_checkpoint else "no checkpoint"
+    (Path(run_dir) / DIVERGED_FILE).write_text(f"step {step}: {what}; {kept}\n")
+
+
+def check_not_diverged(run_dir: Path) -> None:
+    """Stop if the run in ``run_dir`` diverged: resuming it would continue into NaN.
+
+    Raises:
+        UserError: one line naming the step, what diverged and how to go on.
+    """
+    path = Path(run_dir) / DIVERGED_FILE
+    try:
+        text = path.read_text().strip().replace("\n", " ")
+    except FileNotFoundError:
+        return
+    except OSError:
+        text = "unreadable marker"
+    raise UserError(
+        f"run dir {Path(run_dir).resolve()} holds a run that diverged ({text}): resuming would diverge "
+        "again. Start a new hydra.run.dir with a lower optimizer.lr (or train.resume=false to start this "
+        f"one over); to resume from its last finite checkpoint anyway, delete {path}"
+    )
 
 
 def clear_preempted(run_dir: Path) -> None:
