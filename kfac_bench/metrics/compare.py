@@ -2,11 +2,13 @@
 
 Reads each run's ``summary.json`` and ``eval.jsonl`` (:mod:`kfac_bench.metrics.runs`: a folder that is not
 a run, such as a Hydra multirun folder, contributes every run below it; cut-off files give a warning and
-the readable part). Runs are grouped by arm and setting, several seeds into median and spread
-(:mod:`kfac_bench.metrics.arms`); the baseline is the first first-order arm unless chosen. Writes
-``compare.md`` (the arms side by side and the verdict), ``compare.csv`` (one row per arm: medians, with
-``_min``/``_max`` over seeds) and ``compare.png`` (the target metric against wall-clock time and against
-epochs, one line per run, one colour per arm, the target drawn).
+the readable part). Runs must share their target (metric, value and direction): time-to-target of different
+targets is not comparable, so a mix is refused; finding one arm only gives a warning. Runs are grouped by
+arm and setting, several seeds into median and spread (:mod:`kfac_bench.metrics.arms`); the baseline is the
+first first-order arm unless chosen. Writes ``compare.md`` (the arms side by side and the verdict),
+``compare.csv`` (one row per arm: medians, with ``_min``/``_max`` over seeds) and ``compare.png`` (the
+target metric against wall-clock time and against epochs, one line per run, one colour per arm, the target
+drawn).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ __all__ = [
     "CSV_COLUMNS",
     "Comparison",
     "Run",
+    "check_same_target",
     "find_runs",
+    "output_dir",
     "plot",
     "render",
     "table_rows",
@@ -94,8 +98,55 @@ def find_runs(paths: Sequence[str | Path], on_warning: Callable[[str], None] = w
     runs = [r for d in run_dirs(paths) if (r := read_run(d, on_warning)) is not None]
     if not runs:
         raise UserError("no readable run in " + ", ".join(f"'{p}'" for p in paths))
-    group_runs(runs)
+    check_same_target(runs)
+    groups = group_runs(runs)
+    if len(groups) == 1:
+        on_warning(
+            f"only one arm ({groups[0].label}, {len(runs)} run(s)) in "
+            + ", ".join(f"'{p}'" for p in paths)
+            + ": nothing to compare it with; add the runs of another arm (e.g. a sweep over "
+            "+recipe=digits_sgd,digits)"
+        )
     return runs
+
+
+def _target(summary: dict[str, Any]) -> tuple[Any, ...]:
+    """What reaching the target means for a run: (metric, targets, higher is better)."""
+    metric = summary.get("target_metric")
+    targets = summary.get("targets") or {}
+    if not targets and summary.get("target_value") is not None:
+        targets = {metric: summary["target_value"]}
+    return (
+        metric,
+        tuple(sorted((str(k), float(v)) for k, v in targets.items())),
+        summary.get("higher_is_better", True) is not False,
+    )
+
+
+def _describe(target: tuple[Any, ...]) -> str:
+    metric, targets, higher = target
+    if not targets:
+        return f"{metric} with no target"
+    op = ">=" if higher else "<="
+    return " and ".join(f"{k} {op} {v:g}" for k, v in targets)
+
+
+def check_same_target(runs: Sequence[Run]) -> None:
+    """Raises UserError when the runs have different targets (metric, value or direction)."""
+    kinds: dict[tuple[Any, ...], list[Run]] = {}
+    for run in runs:
+        kinds.setdefault(_target(run.summary), []).append(run)
+    if len(kinds) < 2:
+        return
+    parts = [
+        f"{_describe(k)} in '{rs[0].path}'" + (f" and {len(rs) - 1} more" if len(rs) > 1 else "")
+        for k, rs in kinds.items()
+    ]
+    raise UserError(
+        "runs with different targets are not comparable: "
+        + "; ".join(parts)
+        + ". Compare the runs of one benchmark and target at a time"
+    )
 
 
 class Comparison:
@@ -297,6 +348,26 @@ def _zoom(axes: Any, values: list[float], target: Any, higher: bool) -> None:
         ax.set_ylim(bottom, top)
 
 
+def output_dir(out: Path | str) -> Path:
+    """``out``, created if missing.
+
+    Raises:
+        UserError: ``out`` is a file, or cannot be created.
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(
+            f"--out '{out}' is a file, not a folder: give a folder for the comparison's files"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(
+            f"--out '{out}' cannot be created ({exc.strerror}): give a writable folder"
+        ) from None
+    return out
+
+
 def write_outputs(
     runs: Sequence[Run], out: Path, fmt: str = "terminal", baseline: str | None = None
 ) -> str:
@@ -307,8 +378,7 @@ def write_outputs(
         UserError: ``baseline`` matches no arm.
     """
     cmp = Comparison(runs, baseline)  # an unknown baseline stops before anything is written
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(out)
     (out / "compare.md").write_text(_render(cmp, "markdown"))
     (out / "compare.csv").write_text(_render(cmp, "csv"))
     _plot(cmp, out / "compare.png")

@@ -296,7 +296,8 @@ def test_cut_off_files_give_one_warning_each_and_the_readable_part(tmp_path: Pat
     dirs = _crashed(tmp_path)
     warnings: list[str] = []
     runs = {r.path.name: r for r in find_runs(list(dirs.values()), on_warning=warnings.append)}
-    assert len(warnings) == 4 and all("\n" not in w for w in warnings)
+    assert len(warnings) == 5 and all("\n" not in w for w in warnings)
+    assert warnings[4].startswith("only one arm (SGD, 4 run(s))")
     assert "cut_line/eval.jsonl: 1 unreadable line(s) skipped" in warnings[0]
     assert "empty or cut off" in warnings[1] and "empty or cut off" in warnings[2]
     assert "summary.json is missing" in warnings[3]
@@ -321,6 +322,7 @@ def test_cli_compares_crashed_runs_with_one_line_warnings(tmp_path: Path) -> Non
     result = run_cli("compare", "runs", "--out", "out", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 4 and all(x.startswith("kfac-bench: warning: ") for x in lines)
+    # One per cut-off file, and one saying all four runs are one arm.
+    assert len(lines) == 5 and all(x.startswith("kfac-bench: warning: ") for x in lines)
     assert "Traceback" not in result.stderr
     assert (tmp_path / "out" / "compare.csv").read_text().count("\n") == 2
