@@ -11,7 +11,14 @@ import matplotlib.image
 import pytest
 
 from kfac_bench.errors import UserError
-from kfac_bench.metrics.compare import COLUMNS, CSV_COLUMNS, find_runs, render, table_rows
+from kfac_bench.metrics.compare import (
+    COLUMNS,
+    CSV_COLUMNS,
+    RATIO_NOTE,
+    find_runs,
+    render,
+    table_rows,
+)
 from kfac_bench.train.run import train
 from tests.harness.util import run_cli, tiny_cfg
 
@@ -25,13 +32,13 @@ def two_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return base, kfac
 
 
-def test_rows_compute_savings_against_the_first_run(two_runs: tuple[Path, Path]) -> None:
+def test_rows_compute_time_ratios_against_the_first_run(two_runs: tuple[Path, Path]) -> None:
     runs = find_runs(list(two_runs))
     rows = table_rows(runs)
     summaries = [json.loads((p / "summary.json").read_text()) for p in two_runs]
     base_t, kfac_t = summaries[0]["time_to_target_s"], summaries[1]["time_to_target_s"]
-    assert rows[0]["time_saved_pct"] == 0.0
-    assert rows[1]["time_saved_pct"] == pytest.approx(100 * (base_t - kfac_t) / base_t)
+    assert rows[0]["time_ratio"] == pytest.approx(1.0)
+    assert rows[1]["time_ratio"] == pytest.approx(kfac_t / base_t)
     assert rows[1]["kfac"] == "comm_opt" and rows[0]["kfac"] == "off"
     assert rows[1]["kfac_overhead_pct"] > 0 and rows[0]["kfac_overhead_pct"] is None
     assert rows[1]["mean_step_time_ms"] == pytest.approx(1000 * summaries[1]["mean_step_time_s"])
@@ -46,7 +53,9 @@ def test_formats(two_runs: tuple[Path, Path]) -> None:
     assert terminal[-1].startswith(f"verdict: {kfac} reached top1 >= 0 in 1/1 seeds")
     markdown = render(runs, "markdown").splitlines()
     assert markdown[2] == f"| arm | {sgd} | {kfac} |"
-    assert len(markdown) == 4 + len(COLUMNS) - 1 + 1 + 1  # title, header, rows, blank, verdict
+    # title, blank, header, rule, a row per measure, blank, the ratio's definition, blank, the verdict
+    assert len(markdown) == 4 + len(COLUMNS) - 1 + 3 + 1
+    assert markdown[-3] == f"*{RATIO_NOTE}*" and markdown[-1].startswith("**Verdict:** ")
     parsed = list(csv.DictReader(io.StringIO(render(runs, "csv"))))
     assert [r["run"] for r in parsed] == [sgd, kfac] and list(parsed[0]) == CSV_COLUMNS
 
