@@ -96,6 +96,14 @@ class ProgressKind(str, Enum):
     none = "none"
 
 
+class TrackerKind(str, Enum):
+    """``train.tracker``: an experiment tracker the run also logs to (rank 0), besides its own files."""
+
+    none = "none"
+    mlflow = "mlflow"
+    wandb = "wandb"
+
+
 class LauncherName(str, Enum):
     local = "local"
     torchrun = "torchrun"
@@ -261,6 +269,14 @@ class TrainConfig:
     limit_train_batches: int | None = bounded(None, ge=1)
     limit_eval_batches: int | None = bounded(None, ge=1)
     tensorboard: bool = True
+    #: Also log to MLflow or Weights & Biases (``kfac_bench/metrics/trackers.py``): the config as
+    #: parameters, every evaluation's metrics, and time-to-target when the run ends.
+    tracker: TrackerKind = TrackerKind.none
+    #: MLflow's tracking URI (default: a file store in the run directory, ``mlruns/``); W&B's directory
+    #: (default: the run directory). W&B runs offline unless ``WANDB_MODE`` says otherwise.
+    tracker_uri: str | None = None
+    #: MLflow's experiment / W&B's project: runs of every arm go to one, to be compared there.
+    tracker_project: str = "kfac-bench"
     mlperf_log: bool = True
     benchmark_name: str = "kfac_bench"
     #: Start from another run (BERT phase 2 from phase 1; the phase-2 recipes set it to

@@ -370,7 +370,7 @@ def _plot(cmp: Comparison, path: Path) -> Path:
     metric, target = cmp.metric, cmp.target
     fig, axes = plt.subplots(1, 2, figsize=(11, 5), layout="constrained")
     curves: list[list[float]] = []
-    seeds: dict[Any, str] = {}
+    seeds: dict[Any, Any] = {}
     for i, group in enumerate(cmp.groups):
         color = f"C{i % 10}"
         for j, run in enumerate(group.runs):

@@ -67,7 +67,7 @@ def _memory_bars(ax: Any, plan: dict[str, Any], worlds: list[int]) -> None:
             va="top",
             fontsize=9,
         )
-    handles = [Patch(color=f"C{i}", label=label) for i, (_, label) in enumerate(PARTS)]
+    handles: list[Any] = [Patch(color=f"C{i}", label=label) for i, (_, label) in enumerate(PARTS)]
     handles += [
         Line2D([], [], color="black", lw=1.5, label="total, fullest rank"),
         Line2D(

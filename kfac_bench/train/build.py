@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from kfac_bench.config.kfac_adapter import build_preconditioner
@@ -28,6 +28,7 @@ from kfac_bench.data.loader import build_loaders
 from kfac_bench.errors import UserError
 from kfac_bench.metrics.recorder import Recorder
 from kfac_bench.metrics.tracker import StageTimes, TargetTracker
+from kfac_bench.metrics.trackers import open_tracker
 from kfac_bench.train.checkpoint import (
     CHECKPOINT_DIR,
     CheckpointManager,
@@ -200,6 +201,15 @@ def build_run(cfg: DictConfig, run_dir: Path, env: DistEnv, device: torch.device
             primary=tracker.primary,
             init_start_s=init_start_s,
         ),
+        tracker=open_tracker(
+            str(t.tracker.value),
+            run_dir,
+            OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
+            t.tracker_uri,
+            t.tracker_project,
+        )
+        if env.is_main
+        else None,
     )
     checkpoints = CheckpointManager(
         run_dir / CHECKPOINT_DIR,

@@ -1,6 +1,6 @@
 """Checks of a composed run config that need more than its schema, made once in the launching process
 before any rank starts: every bound (:mod:`kfac_bench.config.bounds`), a CUDA device when one is asked for,
-and targets only on metrics the task reports."""
+targets only on metrics the task reports, and the library of ``train.tracker``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ from typing import Any
 from kfac_bench.config.bounds import validate_run
 from kfac_bench.errors import ConfigError
 
-__all__ = ["check_device", "check_run", "check_targets"]
+__all__ = ["check_device", "check_run", "check_targets", "check_tracker"]
+
+#: ``train.tracker`` -> (the module it needs, how to install it).
+_TRACKER_PACKAGES = {
+    "mlflow": ("mlflow", "pip install 'kfac-bench[tracking]' (or mlflow-skinny)"),
+    "wandb": ("wandb", "pip install wandb"),
+}
 
 
 def check_device(cfg: Any) -> None:
@@ -55,8 +61,27 @@ def check_targets(cfg: Any) -> None:
         )
 
 
+def check_tracker(cfg: Any) -> None:
+    """``train.tracker`` names a tracker whose library is installed.
+
+    Raises:
+        ConfigError: one line naming the package to install.
+    """
+    import importlib.util
+
+    kind = str(getattr(cfg.train.tracker, "value", cfg.train.tracker))
+    if kind not in _TRACKER_PACKAGES:
+        return
+    module, install = _TRACKER_PACKAGES[kind]
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(
+            f"train.tracker={kind} needs the {module} package, which is not installed: {install}, "
+            "or set train.tracker=none"
+        )
+
+
 def check_run(cfg: Any) -> None:
-    """All of the above, in order: bounds, device, targets.
+    """All of the above, in order: bounds, device, targets, tracker.
 
     Raises:
         ConfigError: the first problem, as one line.
@@ -64,3 +89,4 @@ def check_run(cfg: Any) -> None:
     validate_run(cfg)
     check_device(cfg)
     check_targets(cfg)
+    check_tracker(cfg)
