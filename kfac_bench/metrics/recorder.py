@@ -180,9 +180,7 @@ class Recorder:
         final), the same to the tracker; then close both (idempotent)."""
         if self.tb is not None:
             if summary is not None and status != "preempted":
-                from kfac_bench.metrics.arms import arm_label
-
-                values = hparams(summary.get("config") or {}, arm_label(summary))
+                values = hparams(summary.get("config") or {})
                 self.tb.hparams(values, summary_metrics(summary), int(summary.get("steps") or 0))
             self.tb.close()
             self.tb = None

@@ -67,9 +67,15 @@ class Tracker(Protocol):
     def finish(self, summary: Mapping[str, Any] | None, status: str | None) -> None: ...
 
 
+def _plain(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` as ``summary.json`` holds it (enums as their values)."""
+    plain: dict[str, Any] = json.loads(json.dumps(config, default=str))
+    return plain
+
+
 def params(config: Mapping[str, Any]) -> dict[str, Any]:
     """The run's config as flat parameters (lists and None as text)."""
-    flat = flat_config(config, _NOT_PARAMS)
+    flat = flat_config(_plain(config), _NOT_PARAMS)
     return {
         k: v if isinstance(v, (bool, int, float, str)) else json.dumps(v) for k, v in flat.items()
     }
@@ -85,14 +91,15 @@ def summary_metrics(summary: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def hparams(config: Mapping[str, Any], label: str) -> dict[str, Any]:
+def hparams(config: Mapping[str, Any]) -> dict[str, Any]:
     """TensorBoard HParams values: the flat parameters plus the arm's label."""
-    return {"arm": label, **params(config)}
+    return {"arm": _arm(config), **params(config)}
 
 
 def _arm(config: Mapping[str, Any]) -> str:
     from kfac_bench.metrics.arms import arm_label
 
+    config = _plain(config)
     enabled = bool((config.get("kfac") or {}).get("enabled", False))
     return arm_label({"kfac_enabled": enabled, "config": config})
 
