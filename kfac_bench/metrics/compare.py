@@ -2,7 +2,7 @@
 
 Reads each run's ``summary.json`` and ``eval.jsonl`` (:mod:`kfac_bench.metrics.runs`: a folder that is not
 a run, such as a Hydra multirun folder, contributes every run below it; cut-off files give a warning and
-the readable part). Runs must share their target (metric, value and direction): time-to-target of different
+the readable part). Runs must share their target (metric and value): time-to-target of different
 targets is not comparable, so a mix is refused; finding one arm only gives a warning. Runs are grouped by
 arm and setting, several seeds into median and spread (:mod:`kfac_bench.metrics.arms`); the baseline is the
 first first-order arm unless chosen. Writes ``compare.md`` (the arms side by side and the verdict),
@@ -120,20 +120,17 @@ def find_runs(paths: Sequence[str | Path], on_warning: Callable[[str], None] = w
 
 
 def _target(summary: dict[str, Any]) -> tuple[Any, ...]:
-    """What reaching the target means for a run: (metric, targets, higher is better)."""
+    """What reaching the target means for a run: (metric, targets). The direction follows the metric (and
+    a summary rebuilt after a crash does not know it), so it is not compared."""
     metric = summary.get("target_metric")
     targets = summary.get("targets") or {}
     if not targets and summary.get("target_value") is not None:
         targets = {metric: summary["target_value"]}
-    return (
-        metric,
-        tuple(sorted((str(k), float(v)) for k, v in targets.items())),
-        summary.get("higher_is_better", True) is not False,
-    )
+    return metric, tuple(sorted((str(k), float(v)) for k, v in targets.items()))
 
 
-def _describe(target: tuple[Any, ...]) -> str:
-    metric, targets, higher = target
+def _describe(target: tuple[Any, ...], higher: bool) -> str:
+    metric, targets = target
     if not targets:
         return f"{metric} with no target"
     op = ">=" if higher else "<="
@@ -141,14 +138,15 @@ def _describe(target: tuple[Any, ...]) -> str:
 
 
 def check_same_target(runs: Sequence[Run]) -> None:
-    """Raises UserError when the runs have different targets (metric, value or direction)."""
+    """Raises UserError when the runs have different targets (metric or value)."""
     kinds: dict[tuple[Any, ...], list[Run]] = {}
     for run in runs:
         kinds.setdefault(_target(run.summary), []).append(run)
     if len(kinds) < 2:
         return
     parts = [
-        f"{_describe(k)} in '{rs[0].path}'" + (f" and {len(rs) - 1} more" if len(rs) > 1 else "")
+        f"{_describe(k, rs[0].summary.get('higher_is_better', True) is not False)} in '{rs[0].path}'"
+        + (f" and {len(rs) - 1} more" if len(rs) > 1 else "")
         for k, rs in kinds.items()
     ]
     raise UserError(
