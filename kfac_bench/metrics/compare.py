@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -300,7 +301,7 @@ def _render(cmp: Comparison, fmt: str) -> str:
     widths = [max(len(cells[i]) for cells in lines) for i in range(len(head))]
     text = [title + note]
     text += ["  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip() for cells in lines]
-    text += [f"({RATIO_NOTE})"] + [f"verdict: {v}" for v in verdicts]
+    text += textwrap.wrap(f"({RATIO_NOTE})", 110) + [f"verdict: {v}" for v in verdicts]
     return "\n".join(text) + "\n"
 
 
