@@ -18,7 +18,7 @@ SUMMARY = """\
 def main(args: Sequence[str]) -> int:
     """``kfac-bench compare ARGS``: writes ``compare.md``, ``compare.csv`` and ``compare.png`` to ``--out``
     and prints the table."""
-    from kfac_bench.metrics.compare import find_runs, write_outputs
+    from kfac_bench.metrics.compare import find_runs, output_dir, write_outputs
 
     parser = argparse.ArgumentParser(
         prog="kfac-bench compare",
@@ -52,6 +52,7 @@ def main(args: Sequence[str]) -> int:
     ns = parser.parse_args(list(args))
     if ns.chain or not ns.runs:
         return _compare_chains(ns)
+    output_dir(ns.out)  # a bad --out stops before the runs are read
     runs = find_runs(ns.runs)
     print(write_outputs(runs, Path(ns.out), ns.format, ns.baseline), end="")
     return 0
@@ -61,13 +62,14 @@ def _compare_chains(ns: argparse.Namespace) -> int:
     """Final SQuAD F1 and time to solution per chain (:mod:`kfac_bench.metrics.chain`)."""
     from kfac_bench.errors import UserError
     from kfac_bench.metrics.chain import compare_chains, render_chains
+    from kfac_bench.metrics.compare import output_dir
 
     if not ns.chain or ns.runs:
         given = "both" if ns.runs else "neither"
         raise UserError(
             f"compare: give run directories or BERT chains (--chain NAME=P1,P2,SQUAD), not {given}"
         )
-    out = Path(ns.out)
+    out = output_dir(ns.out)
     chains = compare_chains(ns.chain, out)
     print(render_chains(chains, ns.format), end="")
     print(f"wrote {out / 'chains.md'}, {out / 'chains.csv'}")

@@ -106,6 +106,14 @@ class TrainMode(str, Enum):
     benchmark = "benchmark"
 
 
+class TrackerKind(str, Enum):
+    """``train.tracker``: an experiment tracker the run also logs to (rank 0), besides its own files."""
+
+    none = "none"
+    mlflow = "mlflow"
+    wandb = "wandb"
+
+
 class LauncherName(str, Enum):
     local = "local"
     torchrun = "torchrun"
@@ -275,6 +283,14 @@ class TrainConfig:
     limit_train_batches: int | None = bounded(None, ge=1)
     limit_eval_batches: int | None = bounded(None, ge=1)
     tensorboard: bool = True
+    #: Also log to MLflow or Weights & Biases (``kfac_bench/metrics/trackers.py``): the config as
+    #: parameters, every evaluation's metrics, and time-to-target when the run ends.
+    tracker: TrackerKind = TrackerKind.none
+    #: MLflow's tracking URI (default: a file store in the run directory, ``mlruns/``); W&B's directory
+    #: (default: the run directory). W&B runs offline unless ``WANDB_MODE`` says otherwise.
+    tracker_uri: str | None = None
+    #: MLflow's experiment / W&B's project: runs of every arm go to one, to be compared there.
+    tracker_project: str = "kfac-bench"
     #: ``mlperf.log``: None (the default, "auto") writes it only for a run of an MLPerf benchmark (a
     #: ``benchmark_name`` that MLPerf Training has: ``resnet``, ``maskrcnn``, ``bert``) in ``train`` mode;
     #: true always, false never.

@@ -2,17 +2,21 @@
 
 Reads each run's ``summary.json`` and ``eval.jsonl`` (:mod:`kfac_bench.metrics.runs`: a folder that is not
 a run, such as a Hydra multirun folder, contributes every run below it; cut-off files give a warning and
-the readable part). Runs are grouped by arm and setting, several seeds into median and spread
-(:mod:`kfac_bench.metrics.arms`); the baseline is the first first-order arm unless chosen. Writes
-``compare.md`` (the arms side by side and the verdict), ``compare.csv`` (one row per arm: medians, with
-``_min``/``_max`` over seeds) and ``compare.png`` (the target metric against wall-clock time and against
-epochs, one line per run, one colour per arm, the target drawn).
+the readable part). Runs must share their target (metric and value): time-to-target of different
+targets is not comparable, so a mix is refused; finding one arm only gives a warning. Runs are grouped by
+arm and setting, several seeds into median and spread (:mod:`kfac_bench.metrics.arms`); the baseline is the
+first first-order arm unless chosen. Writes ``compare.md`` (the arms side by side and the verdict),
+``compare.csv`` (one row per arm: medians, with ``_min``/``_max`` over seeds) and ``compare.png`` (the
+target metric against wall-clock time and against epochs, one colour per arm, one line style per seed, the
+time to target starred, the target drawn).
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import math
+import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,19 +24,28 @@ from typing import Any
 from kfac_bench.errors import UserError
 from kfac_bench.metrics.arms import Group, Spread, choose_baseline, group_runs
 from kfac_bench.metrics.runs import Run, read_run, run_dirs, warn
-from kfac_bench.metrics.verdict import Stats, group_stats, step_ratio, verdict
+from kfac_bench.metrics.verdict import TIE, Stats, group_stats, step_ratio, time_ratio, verdict
 
 __all__ = [
     "COLUMNS",
     "CSV_COLUMNS",
     "Comparison",
     "Run",
+    "check_same_target",
     "find_runs",
+    "output_dir",
     "plot",
     "render",
     "table_rows",
     "write_outputs",
 ]
+
+#: How the table's time ratio is defined, printed under it (the verdict's clock reads the same ratios).
+RATIO_NOTE = (
+    "time to target / baseline's: the arm's time over the baseline's, seed by seed where both reached the "
+    f"target (< 1: faster); the verdict calls the clock a tie unless every such seed is beyond {TIE:g}x "
+    "either way"
+)
 
 #: One row per arm (CSV) or one line per measure with the arms side by side (terminal, Markdown).
 COLUMNS = [
@@ -43,7 +56,7 @@ COLUMNS = [
     "reached",
     "time_to_target_s",
     "epochs_to_target",
-    "time_saved_pct",
+    "time_ratio",
     "mean_step_time_ms",
     "step_time_ratio",
     "kfac_overhead_pct",
@@ -56,6 +69,7 @@ COLUMNS = [
 SPREAD_COLUMNS = (
     "time_to_target_s",
     "epochs_to_target",
+    "time_ratio",
     "mean_step_time_ms",
     "step_time_ratio",
     "final_metric",
@@ -74,7 +88,7 @@ _TITLES = {
     "reached": ("seeds reaching the target", None),
     "time_to_target_s": ("time to target (s)", 2),
     "epochs_to_target": ("epochs to target", 2),
-    "time_saved_pct": ("time saved vs baseline (%)", 1),
+    "time_ratio": ("time to target / baseline's", 2),
     "mean_step_time_ms": ("mean step time (ms)", 1),
     "step_time_ratio": ("step time / baseline's (K-FAC overhead)", 2),
     "kfac_overhead_pct": ("K-FAC stages, % of training time", 1),
@@ -94,8 +108,53 @@ def find_runs(paths: Sequence[str | Path], on_warning: Callable[[str], None] = w
     runs = [r for d in run_dirs(paths) if (r := read_run(d, on_warning)) is not None]
     if not runs:
         raise UserError("no readable run in " + ", ".join(f"'{p}'" for p in paths))
-    group_runs(runs)
+    check_same_target(runs)
+    groups = group_runs(runs)
+    if len(groups) == 1:
+        on_warning(
+            f"only one arm ({groups[0].label}, {len(runs)} run(s)) in "
+            + ", ".join(f"'{p}'" for p in paths)
+            + ": nothing to compare it with; add the runs of another arm (e.g. a sweep over "
+            "+recipe=digits_sgd,digits)"
+        )
     return runs
+
+
+def _target(summary: dict[str, Any]) -> tuple[Any, ...]:
+    """What reaching the target means for a run: (metric, targets). The direction follows the metric (and
+    a summary rebuilt after a crash does not know it), so it is not compared."""
+    metric = summary.get("target_metric")
+    targets = summary.get("targets") or {}
+    if not targets and summary.get("target_value") is not None:
+        targets = {metric: summary["target_value"]}
+    return metric, tuple(sorted((str(k), float(v)) for k, v in targets.items()))
+
+
+def _describe(target: tuple[Any, ...], higher: bool) -> str:
+    metric, targets = target
+    if not targets:
+        return f"{metric} with no target"
+    op = ">=" if higher else "<="
+    return " and ".join(f"{k} {op} {v:g}" for k, v in targets)
+
+
+def check_same_target(runs: Sequence[Run]) -> None:
+    """Raises UserError when the runs have different targets (metric or value)."""
+    kinds: dict[tuple[Any, ...], list[Run]] = {}
+    for run in runs:
+        kinds.setdefault(_target(run.summary), []).append(run)
+    if len(kinds) < 2:
+        return
+    parts = [
+        f"{_describe(k, rs[0].summary.get('higher_is_better', True) is not False)} in '{rs[0].path}'"
+        + (f" and {len(rs) - 1} more" if len(rs) > 1 else "")
+        for k, rs in kinds.items()
+    ]
+    raise UserError(
+        "runs with different targets are not comparable: "
+        + "; ".join(parts)
+        + ". Compare the runs of one benchmark and target at a time"
+    )
 
 
 class Comparison:
@@ -128,7 +187,7 @@ class Comparison:
         return [self._row(g, s) for g, s in zip(self.groups, self.stats)]
 
     def _row(self, group: Group, s: Stats) -> dict[str, Any]:
-        ttt, base_ttt = s.spread("time_to_target_s"), self.stats[0].spread("time_to_target_s")
+        ttt = s.spread("time_to_target_s")
         step = s.spread("mean_step_time_s")
         kfac = group.runs[0].summary.get("config", {}).get("kfac") or {}
         statuses = [str(m["status"]) for m in s.measures]
@@ -136,14 +195,12 @@ class Comparison:
         spreads: dict[str, Spread] = {
             "time_to_target_s": ttt,
             "epochs_to_target": s.spread("epochs_to_target"),
+            "time_ratio": time_ratio(s, self.stats[0]),
             "mean_step_time_ms": _scaled(step, 1000.0),
             "step_time_ratio": step_ratio(s, self.stats[0]),
             "final_metric": s.spread("final_metric"),
             "min_metric_after_target": s.spread("min_metric_after_target"),
         }
-        saved = None
-        if ttt.median is not None and base_ttt.median:
-            saved = 100.0 * (base_ttt.median - ttt.median) / base_ttt.median
         row: dict[str, Any] = {
             "run": group.label,
             "kfac": "off" if group.first_order else str(kfac.get("grad_worker_fraction", "on")),
@@ -152,7 +209,6 @@ class Comparison:
             else ", ".join(f"{st} {statuses.count(st)}" for st in dict.fromkeys(statuses)),
             "seeds": " ".join("-" if m["seed"] is None else str(m["seed"]) for m in s.measures),
             "reached": f"{s.reached}/{s.n}",
-            "time_saved_pct": saved,
             "kfac_overhead_pct": 100.0 * share if share is not None else None,
             "best_metric": s.spread("best_metric").median,
             "samples_per_s": s.spread("samples_per_s").median,
@@ -191,8 +247,6 @@ def _cell(key: str, row: dict[str, Any]) -> str:
         value = row[key]
         if value is None:
             return "-"
-        if key == "time_saved_pct":
-            return f"{value:+.1f}"
         return (
             f"{value:.{digits}f}" if isinstance(value, float) and digits is not None else str(value)
         )
@@ -201,8 +255,12 @@ def _cell(key: str, row: dict[str, Any]) -> str:
     if sp.median is None:
         if to_target:
             return "not reached" if sp.k == 0 else f"not reached in {sp.n - sp.k}/{sp.n}"
-        return "-"
+        return "no seed both reached" if key == "time_ratio" else "-"
     text = _number(sp.median, digits, key)
+    if key == "time_ratio":
+        low, high = _number(sp.low, digits), _number(sp.high, digits)
+        text += f" [{low}-{high}]" if low != high else ""
+        return text + (f" ({sp.k}/{sp.n} seeds)" if sp.k < sp.n else "")
     if sp.n > 1 and sp.k > 0:
         high = "miss" if sp.high is None else _number(sp.high, digits, key)
         low = _number(sp.low, digits, key)
@@ -238,63 +296,154 @@ def _render(cmp: Comparison, fmt: str) -> str:
     if fmt == "markdown":
         md = [f"**{title}**{note}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         md += ["| " + " | ".join(cells) + " |" for cells in lines[1:]]
-        md += [""] + [f"**Verdict:** {v}" for v in verdicts]
+        md += ["", f"*{RATIO_NOTE}*", ""] + [f"**Verdict:** {v}" for v in verdicts]
         return "\n".join(md) + "\n"
     widths = [max(len(cells[i]) for cells in lines) for i in range(len(head))]
     text = [title + note]
     text += ["  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip() for cells in lines]
-    text += [f"verdict: {v}" for v in verdicts]
+    text += textwrap.wrap(f"({RATIO_NOTE})", 110) + [f"verdict: {v}" for v in verdicts]
     return "\n".join(text) + "\n"
 
 
 def plot(runs: Sequence[Run], path: Path, baseline: str | None = None) -> Path:
-    """PNG: the target metric against wall-clock seconds (left) and epochs (right), one colour per arm,
-    target as a line."""
+    """PNG: the target metric against wall-clock seconds (left) and epochs (right); see :func:`_plot`."""
     return _plot(Comparison(runs, baseline), path)
 
 
+#: Line styles telling the seeds of an arm apart (the colour tells the arm).
+_SEED_STYLES = ("-", "--", ":", "-.")
+
+
+def _setting_title(cmp: Comparison) -> str:
+    """ "small_cnn on digits, global batch 256, 1 x cpu" from the runs' configs (values that differ
+    between arms joined with " / ")."""
+
+    def name(run: Run, section: str) -> str:
+        target = str(((run.summary.get("config") or {}).get(section) or {}).get("_target_", "?"))
+        return target.rsplit(".", 1)[-1].removeprefix("build_")
+
+    def values(get: Callable[[Run], str]) -> str:
+        return " / ".join(dict.fromkeys(get(r) for g in cmp.groups for r in g.runs))
+
+    def batch(run: Run) -> str:
+        train = (run.summary.get("config") or {}).get("train") or {}
+        world = run.summary.get("world_size") or 1
+        given = train.get("global_batch_size") or (train.get("batch_size") or 0) * world
+        return str(given or "?")
+
+    def where(run: Run) -> str:
+        device = run.summary.get("device")
+        return f"{run.summary.get('world_size') or 1} x {device}" if device else "?"
+
+    return (
+        f"{values(lambda r: name(r, 'model'))} on {values(lambda r: name(r, 'dataset'))}, "
+        f"global batch {values(batch)}, {values(where)}"
+    )
+
+
+def _y_range(curves: list[list[float]], target: float | None, higher: bool) -> tuple[float, float]:
+    """A y range holding every run's values and the target; for an accuracy-like target (in (0, 1), higher
+    is better) it starts ten times the target's distance to 1 below it, to show the approach rather than
+    the first epochs' climb, but never above a run's best value (each run stays in view)."""
+    values = [v for c in curves for v in c if math.isfinite(v)]
+    low, high = min(values, default=0.0), max(values, default=1.0)
+    if target is not None:
+        low, high = min(low, target), max(high, target)
+        if higher and 0 < target < 1:
+            bests = [max(c) for c in curves if c]
+            low = max(low, min([target - 10 * (1 - target), *bests]))
+    pad = 0.06 * (high - low) or 0.01
+    return low - pad, high + pad
+
+
 def _plot(cmp: Comparison, path: Path) -> Path:
+    """The target metric against wall-clock seconds (left) and epochs (right): one colour per arm, one line
+    style per seed, a star where a run first met its target, the target as a dashed line; the title names
+    model, data and batch; the legend sits under the plots."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     metric, target = cmp.metric, cmp.target
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), constrained_layout=True)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5), layout="constrained")
+    curves: list[list[float]] = []
+    seeds: dict[Any, Any] = {}
     for i, group in enumerate(cmp.groups):
         color = f"C{i % 10}"
         for j, run in enumerate(group.runs):
-            points = [r for r in run.evals if metric in r["metrics"]]
+            seed = group.seeds[j]
+            style = seeds.setdefault(seed, _SEED_STYLES[len(seeds) % len(_SEED_STYLES)])
+            points = [r for r in run.evals if isinstance(r["metrics"].get(metric), float)]
             values = [r["metrics"][metric] for r in points]
-            style = {"color": color, "marker": ".", "alpha": 0.85, "linewidth": 1.2}
-            label = group.label if j == 0 else None
-            axes[0].plot([r["wall_time_s"] for r in points], values, label=label, **style)
-            axes[1].plot([r["epoch"] for r in points], values, label=label, **style)
+            curves.append(values)
+            line = {"color": color, "linestyle": style, "marker": ".", "alpha": 0.85, "lw": 1.3}
+            axes[0].plot([r["wall_time_s"] for r in points], values, **line)
+            axes[1].plot([r["epoch"] for r in points], values, **line)
+            hit = run.summary.get("time_to_target_s")
+            at = next((r for r in points if r["wall_time_s"] == hit), None)
+            if hit is not None and at is not None:
+                star = {"marker": "*", "s": 140, "color": color, "edgecolor": "black", "zorder": 5}
+                axes[0].scatter([at["wall_time_s"]], [at["metrics"][metric]], **star)
+                axes[1].scatter([at["epoch"]], [at["metrics"][metric]], **star)
+    low, high = _y_range(curves, None if target is None else float(target), cmp.higher)
     for ax, xlabel in zip(axes, ("wall-clock time (s)", "epochs")):
         if target is not None:
-            ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target}")
+            ax.axhline(float(target), color="black", linestyle="--", linewidth=1)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(metric)
+        ax.set_ylim(low, high)
         ax.grid(alpha=0.3)
-    runs = [run for g in cmp.groups for run in g.runs]
-    every = [v for run in runs for r in run.evals if (v := r["metrics"].get(metric)) is not None]
-    _zoom(axes, every, target, cmp.higher)
-    axes[1].legend(fontsize=8, loc="lower right")
+    handles = [
+        Line2D([], [], color=f"C{i % 10}", lw=2, label=g.label) for i, g in enumerate(cmp.groups)
+    ]
+    if len(seeds) > 1:
+        handles += [
+            Line2D([], [], color="gray", linestyle=st, label=f"seed {'-' if sd is None else sd}")
+            for sd, st in seeds.items()
+        ]
+    if target is not None:
+        handles.append(
+            Line2D([], [], color="black", linestyle="--", lw=1, label=f"target {target}")
+        )
+        handles.append(
+            Line2D(
+                [],
+                [],
+                color="gray",
+                marker="*",
+                markersize=11,
+                markeredgecolor="black",
+                linestyle="none",
+                label="first met the target",
+            )
+        )
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 4), fontsize=9)
+    fig.suptitle(f"{metric} to target: {_setting_title(cmp)}", fontsize=11)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
-def _zoom(axes: Any, values: list[float], target: Any, higher: bool) -> None:
-    """Show the approach to an accuracy-like target (in (0, 1), higher is better) rather than the first
-    epochs' climb: the y axis starts ten times the target's distance to 1 below the target."""
-    if target is None or not higher or not 0 < float(target) < 1 or not values:
-        return
-    gap = 1 - float(target)
-    bottom = max(min(values), float(target) - 10 * gap)
-    top = min(max(values) + gap, 1 + gap / 2)
-    for ax in axes:
-        ax.set_ylim(bottom, top)
+def output_dir(out: Path | str) -> Path:
+    """``out``, created if missing.
+
+    Raises:
+        UserError: ``out`` is a file, or cannot be created.
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(
+            f"--out '{out}' is a file, not a folder: give a folder for the comparison's files"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(
+            f"--out '{out}' cannot be created ({exc.strerror}): give a writable folder"
+        ) from None
+    return out
 
 
 def write_outputs(
@@ -307,8 +456,7 @@ def write_outputs(
         UserError: ``baseline`` matches no arm.
     """
     cmp = Comparison(runs, baseline)  # an unknown baseline stops before anything is written
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(out)
     (out / "compare.md").write_text(_render(cmp, "markdown"))
     (out / "compare.csv").write_text(_render(cmp, "csv"))
     _plot(cmp, out / "compare.png")

@@ -1,5 +1,7 @@
 """What a run records while it trains, on rank 0: evaluations to ``eval.jsonl``, scalars to TensorBoard,
-MLPerf events (:mod:`kfac_bench.metrics.mlperf`), and progress lines (or a bar).
+MLPerf events (:mod:`kfac_bench.metrics.mlperf`), an experiment tracker's metrics
+(:mod:`kfac_bench.metrics.trackers`), and progress lines (or a bar); when it ends, the summary's
+time-to-target to TensorBoard's HParams and to the tracker (:meth:`Recorder.finish`).
 
 The loop calls :meth:`Recorder.on_step` after every optimizer step, :meth:`Recorder.on_epoch` when an epoch
 starts and ends, and :meth:`Recorder.on_eval_start` / :meth:`Recorder.on_eval` around every evaluation; none
@@ -17,6 +19,7 @@ from kfac_bench.metrics import sinks
 from kfac_bench.metrics.mlperf import MLPERF_FILE, MLPerfLog, RunFacts
 from kfac_bench.metrics.progress import Progress
 from kfac_bench.metrics.tracker import Clock, StageTimes, Throughput
+from kfac_bench.metrics.trackers import Tracker, hparams, summary_metrics
 
 __all__ = ["Recorder", "RunProgress"]
 
@@ -46,6 +49,7 @@ class Recorder:
         tensorboard / mlperf: write those sinks.
         benchmark: MLPerf's ``submission_benchmark``.
         facts: what ``mlperf.log``'s header states (default: only the benchmark and ``primary``).
+        tracker: an experiment tracker (``train.tracker``), or None.
 
     Attributes:
         mlperf: the run's MLPerf log, a checkpoint part on every rank (it restores the log on resume).
@@ -66,6 +70,7 @@ class Recorder:
         mlperf: bool = True,
         benchmark: str = "kfac_bench",
         facts: RunFacts | None = None,
+        tracker: Tracker | None = None,
     ) -> None:
         self.state, self.stages, self.primary = state, stages, primary
         self.total_steps, self.every = total_steps, max(log_every_steps, 1)
@@ -77,6 +82,7 @@ class Recorder:
             facts or RunFacts(benchmark, primary=primary),
             enabled=enabled and mlperf,
         )
+        self.tracker = tracker if enabled else None
         self.progress = Progress(progress, total_steps, log_every_steps, enabled=enabled)
         self.last_metric: dict[str, float] = {}
         self._reset_window()
@@ -156,12 +162,29 @@ class Recorder:
         )
         if self.tb is not None:
             self.tb.scalars({f"eval/{k}": v for k, v in metrics.items()}, record["step"])
+        if self.tracker is not None:
+            self.tracker.metrics({f"eval/{k}": v for k, v in metrics.items()}, record["step"])
         self.mlperf.eval_result(record, target_met, more_training=record["step"] < self.total_steps)
 
     def close(self, status: str | None = None) -> None:
-        """Close the display and the sinks; a finished run whose targets were not met gets MLPerf's
-        ``run_stop`` (aborted) first (a preempted or crashed run has none)."""
+        """Close the display and MLPerf's log; a finished run whose targets were not met gets MLPerf's
+        ``run_stop`` (aborted) first (a preempted or crashed run has none). A run that ended (``status``
+        set) keeps TensorBoard and the tracker open for :meth:`finish`; a crashed one closes them."""
         self.progress.close()
         self.mlperf.close(status, self.state.wall.elapsed)
+        if status is None:
+            self.finish(None, None)
+
+    def finish(self, summary: dict[str, Any] | None, status: str | None) -> None:
+        """The run's ``summary.json`` is written: its config and arm as TensorBoard HParams with the
+        time-to-target and throughput as their metrics (not for a preempted run, whose numbers are not
+        final), the same to the tracker; then close both (idempotent)."""
         if self.tb is not None:
+            if summary is not None and status != "preempted":
+                values = hparams(summary.get("config") or {})
+                self.tb.hparams(values, summary_metrics(summary), int(summary.get("steps") or 0))
             self.tb.close()
+            self.tb = None
+        if self.tracker is not None:
+            tracker, self.tracker = self.tracker, None
+            tracker.finish(summary, status)

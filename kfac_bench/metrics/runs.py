@@ -6,7 +6,9 @@ claimed: ``kfac_bench/train/rundir.py``). A run killed mid-write leaves a last l
 ``eval.jsonl``; a run that never ended has no ``summary.json``, and a copied or half-synced one may have an
 empty or truncated one. Such a run is still compared with what is readable: each unreadable file gives one
 warning line, and a missing summary is rebuilt from the evaluation records and the recorded config (its
-status is ``no summary``; what only the summary knows, such as step times, stays empty).
+status is ``no summary``; what only the summary knows, such as step times, stays empty). A summary with a
+field of the wrong type (edited by hand, or written by another tool) leaves its run out with one warning
+naming the file and the field; an evaluation record with one counts as an unreadable line.
 """
 
 from __future__ import annotations
@@ -24,7 +26,16 @@ from kfac_bench.errors import UserError
 from kfac_bench.metrics.sinks import EVAL_FILE
 from kfac_bench.metrics.summary import SUMMARY_FILE
 
-__all__ = ["CONFIG_FILE", "NO_SUMMARY", "Run", "read_run", "rebuilt_summary", "run_dirs", "warn"]
+__all__ = [
+    "CONFIG_FILE",
+    "NO_SUMMARY",
+    "Run",
+    "bad_field",
+    "read_run",
+    "rebuilt_summary",
+    "run_dirs",
+    "warn",
+]
 
 #: The composed config a run records when it starts (``kfac_bench/train/rundir.py`` ``CONFIG_FILE``);
 #: Hydra's copy under ``.hydra/`` is the fallback.
@@ -102,8 +113,9 @@ def _read_evals(path: Path) -> tuple[list[dict[str, Any]], int]:
         except ValueError:
             bad += 1
             continue
-        if isinstance(record, dict) and isinstance(record.get("metrics"), dict):
-            records.append(record)
+        clean = _clean_record(record)
+        if clean is not None:
+            records.append(clean)
         else:
             bad += 1
     return records, bad
@@ -128,6 +140,87 @@ def _read_config(run_dir: Path) -> dict[str, Any]:
         if isinstance(data, dict):
             return data
     return {}
+
+
+#: Non-finite numbers as JSON text writers spell them (``summary.json`` may hold them as strings).
+_NON_FINITE = {"NaN": math.nan, "nan": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_NUMBER = "a number"
+#: What ``kfac-bench compare`` reads of a summary, and the type each must have (None is always allowed).
+_SUMMARY_TYPES: dict[str, str] = {
+    "status": "a string",
+    "target_metric": "a string",
+    "targets": "a mapping",
+    "target_value": _NUMBER,
+    "higher_is_better": "true or false",
+    "reached_target": "true or false",
+    "kfac_enabled": "true or false",
+    "time_to_target_s": _NUMBER,
+    "epochs_to_target": _NUMBER,
+    "mean_step_time_s": _NUMBER,
+    "kfac_time_fraction": _NUMBER,
+    "best_metric": _NUMBER,
+    "samples_per_s": _NUMBER,
+    "final_metrics": "a mapping",
+    "config": "a mapping",
+}
+#: Config sections the comparison reads (``config.<section>``), each a mapping when present.
+_CONFIG_SECTIONS = ("optimizer", "kfac", "train", "task", "model", "dataset")
+_RECORD_NUMBERS = ("step", "epoch", "wall_time_s")
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a number (a non-finite one may be spelled as a string), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    return _NON_FINITE.get(value) if isinstance(value, str) else None
+
+
+def _fits(value: Any, kind: str) -> bool:
+    if value is None:
+        return True
+    if kind == _NUMBER:
+        return _number(value) is not None
+    if kind == "a string":
+        return isinstance(value, str)
+    if kind == "a mapping":
+        return isinstance(value, dict)
+    return isinstance(value, bool)
+
+
+def bad_field(summary: dict[str, Any]) -> str | None:
+    """The first field of ``summary`` that ``compare`` reads and that has the wrong type, as
+    ``"field (must be ..., is ...)"``; None when all fit. Non-finite numbers spelled as strings are turned
+    into floats in place."""
+    for key, kind in _SUMMARY_TYPES.items():
+        value = summary.get(key)
+        if not _fits(value, kind):
+            return f"'{key}' (must be {kind}, is {json.dumps(value)[:40]})"
+        if kind == _NUMBER and isinstance(value, str):
+            summary[key] = _number(value)
+    for key in ("targets", "final_metrics"):
+        for name, value in (summary.get(key) or {}).items():
+            if not _fits(value, _NUMBER):
+                return f"'{key}.{name}' (must be a number, is {json.dumps(value)[:40]})"
+    config = summary.get("config") or {}
+    for section in _CONFIG_SECTIONS:
+        if not _fits(config.get(section), "a mapping"):
+            return f"'config.{section}' (must be a mapping, is {json.dumps(config[section])[:40]})"
+    return None
+
+
+def _clean_record(record: Any) -> dict[str, Any] | None:
+    """An evaluation record with its numbers as numbers (non-finite ones may be strings), or None if a
+    field compare reads has the wrong type."""
+    if not isinstance(record, dict) or not isinstance(record.get("metrics"), dict):
+        return None
+    if any(_number(record.get(k)) is None for k in _RECORD_NUMBERS):
+        return None
+    if not all(_fits(v, _NUMBER) for v in record["metrics"].values()):
+        return None
+    metrics = {k: v if v is None else _number(v) for k, v in record["metrics"].items()}
+    return {**record, "metrics": metrics}
 
 
 def _met(value: Any, target: float, higher: bool) -> bool:
@@ -195,6 +288,13 @@ def read_run(run_dir: Path, on_warning: Callable[[str], None] = warn) -> Run | N
             f"compared with its {len(evals)} readable record(s)"
         )
     summary = _read_json(run_dir / SUMMARY_FILE)
+    wrong = bad_field(summary) if summary is not None else None
+    if wrong is not None:
+        on_warning(
+            f"{run_dir / SUMMARY_FILE}: field {wrong}; left out (fix or remove the field, or delete "
+            f"the file to compare from {EVAL_FILE})"
+        )
+        return None
     if summary is None:
         config = _read_config(run_dir)
         if not evals and not config:

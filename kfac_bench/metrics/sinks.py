@@ -7,7 +7,9 @@ Files in the run directory:
     ``eval.jsonl``: one line per evaluation: step, epoch, samples, wall_time_s, train_time_s, metrics.
         Strict JSON: a non-finite number (a diverged run's metric) is written as ``null`` (:func:`json_safe`).
     ``tb/``: TensorBoard events (``train/loss``, ``train/lr``, ``train/samples_per_s``, ``kfac/<stage>_s``,
-    ``eval/<metric>``).
+    ``eval/<metric>``) and, when the run ends, its HParams: the config and arm as hyperparameters,
+    time-to-target and throughput as ``hparams/<measure>`` metrics (TensorBoard's HPARAMS tab then lists
+    the runs of a sweep side by side).
 """
 
 from __future__ import annotations
@@ -105,6 +107,18 @@ class TensorBoardSink:
     def scalars(self, values: dict[str, float], step: int) -> None:
         for key, value in values.items():
             self.writer.add_scalar(key, value, global_step=step)
+
+    def hparams(self, values: dict[str, Any], metrics: dict[str, float], step: int) -> None:
+        """The run's hyperparameters and end-of-run metrics (``hparams/<name>``), in the run's own event
+        file (``SummaryWriter.add_hparams`` would write them to a subfolder, apart from the scalars)."""
+        from torch.utils.tensorboard.summary import hparams
+
+        tagged = {f"hparams/{k}": v for k, v in metrics.items()}
+        experiment, start, end = hparams(values, tagged)
+        writer = self.writer._get_file_writer()
+        for event in (experiment, start, end):
+            writer.add_summary(event)
+        self.scalars(tagged, step)
 
     def close(self) -> None:
         if self._writer is not None:

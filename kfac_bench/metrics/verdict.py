@@ -2,9 +2,11 @@
 
 Each arm is a :class:`~kfac_bench.metrics.arms.Group` of runs (seeds). The line states, for an arm against
 the baseline: how many seeds reached the target and the median epochs and time they took; the epoch
-ratio; and the clock, judged seed by seed on the seeds where *both* arms reached the target (a median time
-alone would let an arm "win" only because the other missed in some seeds; the line says so when that is
-the case). Times within :data:`TIE` of each other in some seed make the clock a tie. Arms that fall back
+ratio; and the clock, judged by the time ratio (:func:`time_ratios`: the arm's time to target over the
+baseline's, seed by seed on the seeds where *both* reached the target; the table's "time to target /
+baseline's" row is the same ratios). A median time alone would let an arm "win" only because the other
+missed in some seeds; the line says so when that is the case. A ratio within :data:`TIE` of 1 in some seed
+makes the clock a tie. Arms that fall back
 below the target after reaching it are named.
 """
 
@@ -15,7 +17,7 @@ from typing import Any
 
 from kfac_bench.metrics.arms import Group, Spread, run_measures, spread
 
-__all__ = ["TIE", "Stats", "group_stats", "step_ratio", "verdict"]
+__all__ = ["TIE", "Stats", "group_stats", "step_ratio", "time_ratio", "time_ratios", "verdict"]
 
 #: One arm is faster on the clock only if it took less than 1/TIE of the other's time in every seed both
 #: reached the target; otherwise (some seed within 10 %, or seeds disagreeing) the clock is a tie.
@@ -72,6 +74,26 @@ def step_ratio(arm: Stats, base: Stats) -> Spread:
     return spread(ratios) if ratios else Spread(None, None, None, 0, arm.n)
 
 
+def time_ratios(arm: Stats, base: Stats) -> list[tuple[int | None, float]]:
+    """(seed, the arm's time to target / the baseline's) for every seed both reached the target."""
+    base_time = {m["seed"]: m["time_to_target_s"] for m in base.measures if m["time_to_target_s"]}
+    return [
+        (m["seed"], m["time_to_target_s"] / base_time[m["seed"]])
+        for m in arm.measures
+        if m["time_to_target_s"] and m["seed"] in base_time
+    ]
+
+
+def time_ratio(arm: Stats, base: Stats) -> Spread:
+    """Median and range of :func:`time_ratios` (< 1: the arm took less time than the baseline); ``k`` is
+    the number of seeds both reached, ``n`` the arm's runs."""
+    ratios = [r for _, r in time_ratios(arm, base)]
+    if not ratios:
+        return Spread(None, None, None, 0, arm.n)
+    s = spread(ratios)
+    return Spread(s.median, s.low, s.high, len(ratios), arm.n)
+
+
 def _secs(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}" if x >= 1 else f"{x:.2f}"
 
@@ -108,12 +130,7 @@ def _epochs(a: Stats, b: Stats, an: str, bn: str) -> str:
 
 def _clock(a: Stats, b: Stats, an: str, bn: str) -> tuple[str, int]:
     """The clock on the seeds both reached, and who won it there (1: a, -1: b, 0: tie or no race)."""
-    b_time = {m["seed"]: m["time_to_target_s"] for m in b.measures if m["time_to_target_s"]}
-    pairs = [
-        (m["seed"], m["time_to_target_s"] / b_time[m["seed"]])
-        for m in a.measures
-        if m["time_to_target_s"] and m["seed"] in b_time
-    ]
+    pairs = time_ratios(a, b)
     if not pairs:
         return "no seed where both reached the target, so no race on the clock", 0
     q = [r for _, r in pairs]
@@ -122,13 +139,13 @@ def _clock(a: Stats, b: Stats, an: str, bn: str) -> tuple[str, int]:
     if max(q) <= 1 / TIE:
         return (
             f"on the clock {an} was faster in every seed both reached "
-            f"({_range(1 / max(q), 1 / min(q), 1)}x less time, {where})",
+            f"({an} took {_range(min(q), max(q), 2)}x {bn}'s time, {where})",
             1,
         )
     if min(q) >= TIE:
         return (
             f"on the clock {bn} was faster in every seed both reached "
-            f"({an} took {_range(min(q), max(q), 1)}x its time, {where})",
+            f"({an} took {_range(min(q), max(q), 2)}x {bn}'s time, {where})",
             -1,
         )
     took = _range(min(q), max(q), 2)

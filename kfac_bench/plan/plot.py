@@ -1,5 +1,6 @@
-"""``plan.png``: per-rank memory against the gradient-worker fraction, and the decomposition makespan (the
-fullest rank's Σ n³) against the world size, next to the ideal total/N and the floor of the largest factor."""
+"""``plan.png``: per-rank memory as stacked bars (its parts, a group per world size and a bar per
+gradient-worker count), and the decomposition makespan (the fullest rank's Σ n³) against the world size,
+next to the ideal total/N and the floor of the largest factor."""
 
 from __future__ import annotations
 
@@ -11,6 +12,80 @@ __all__ = ["plot_plan"]
 GIB = 2**30
 
 
+#: The parts of a rank's K-FAC memory (``memory_usage()["total"]`` is their sum), bottom to top.
+PARTS = (
+    ("factors", "factors"),
+    ("decompositions", "decompositions"),
+    ("buffers", "buffers (peak)"),
+)
+
+
+def _memory_bars(ax: Any, plan: dict[str, Any], worlds: list[int]) -> None:
+    """Stacked bars, a group per world size and a bar per gradient-worker count (LPT placement, factors
+    all-reduced): each part's fullest rank, a black tick at the fullest rank's total, a triangle at the
+    total with factors reduced to their owner instead. Lines of memory against the fraction sat on top of
+    each other (COMM-OPT holds the same per rank at every N); bars keep every world size apart."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    lpt = [r for r in plan["rows"] if r["placement"] == "lpt"]
+    x, ticks, labels, centers = 0.0, [], [], []
+    for n in worlds:
+        start = x
+        for workers in sorted({r["grad_workers"] for r in lpt if r["world_size"] == n}):
+            at = {
+                r["factor_reduction"]: r
+                for r in lpt
+                if r["world_size"] == n and r["grad_workers"] == workers
+            }
+            row = at.get("allreduce")
+            if row is not None:
+                mem = row["memory_bytes_per_rank"]
+                bottom = 0.0
+                for i, (key, _) in enumerate(PARTS):
+                    height = mem[key]["max"] / GIB
+                    ax.bar(x, height, 0.8, bottom=bottom, color=f"C{i}", edgecolor="white", lw=0.4)
+                    bottom += height
+                ax.plot([x - 0.4, x + 0.4], [mem["total"]["max"] / GIB] * 2, color="black", lw=1.5)
+            if "reduce" in at:
+                total = at["reduce"]["memory_bytes_per_rank"]["total"]["max"] / GIB
+                ax.plot([x], [total], "v", color="black", markersize=5)
+            ticks.append(x)
+            labels.append(str(workers))
+            x += 1
+        centers.append(((start + x - 1) / 2, n))
+        x += 1  # a gap between world sizes
+    ax.set_xticks(ticks, labels, fontsize=7)
+    for center, n in centers:
+        ax.annotate(
+            f"{n} GPUs",
+            (center, 0),
+            xycoords=("data", "axes fraction"),
+            xytext=(0, -22),
+            textcoords="offset points",
+            ha="center",
+            va="top",
+            fontsize=9,
+        )
+    handles: list[Any] = [Patch(color=f"C{i}", label=label) for i, (_, label) in enumerate(PARTS)]
+    handles += [
+        Line2D([], [], color="black", lw=1.5, label="total, fullest rank"),
+        Line2D(
+            [], [], color="black", marker="v", ls="none", label="total, factors reduced to owner"
+        ),
+    ]
+    if "memory_budget_gb" in plan:
+        ax.axhline(plan["memory_budget_gb"], color="red", linewidth=1)
+        handles.append(Line2D([], [], color="red", lw=1, label="budget"))
+    ax.set_xlabel(
+        "gradient workers per layer (1 = MEM-OPT ... N = COMM-OPT), grouped by GPUs", labelpad=24
+    )
+    ax.set_ylabel("K-FAC memory per GPU (GiB, each part's fullest rank)")
+    ax.set_title(f"{plan['recipe']}: memory per GPU (LPT placement)")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
+    ax.legend(handles=handles, fontsize=7, loc="upper left", ncol=3)
+
+
 def plot_plan(plan: dict[str, Any], path: Path) -> Path:
     import matplotlib
 
@@ -19,29 +94,10 @@ def plot_plan(plan: dict[str, Any], path: Path) -> Path:
 
     rows = plan["rows"]
     worlds = sorted({r["world_size"] for r in rows})
-    fig, (mem_ax, cost_ax) = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, n in enumerate(worlds):
-        for reduction, style in (("allreduce", "-"), ("reduce", "--")):
-            pts = sorted(
-                (r["grad_worker_fraction"], r["memory_bytes_per_rank"]["total"]["max"] / GIB)
-                for r in rows
-                if r["world_size"] == n
-                and r["placement"] == "lpt"
-                and r["factor_reduction"] == reduction
-            )
-            if pts:
-                label = f"{n} GPUs" if reduction == "allreduce" else None
-                color = colors[i % len(colors)]
-                mem_ax.plot(*zip(*pts), style, color=color, marker=".", label=label)
-    mem_ax.plot([], [], "--", color="gray", label="factors reduced to their owner")
-    if "memory_budget_gb" in plan:
-        mem_ax.axhline(plan["memory_budget_gb"], color="black", linewidth=1, label="budget")
-    mem_ax.set_xscale("log", base=2)
-    mem_ax.set_xlabel("grad_worker_fraction (1/N = MEM-OPT ... 1 = COMM-OPT)")
-    mem_ax.set_ylabel("K-FAC memory on the fullest rank (GiB, peak)")
-    mem_ax.set_title(f"{plan['recipe']}: memory per GPU (LPT placement)")
-    mem_ax.legend(fontsize=7)
+    fig, (mem_ax, cost_ax) = plt.subplots(
+        1, 2, figsize=(14, 5), layout="constrained", gridspec_kw={"width_ratios": [1.6, 1]}
+    )
+    _memory_bars(mem_ax, plan, worlds)
 
     def series(placement: str) -> list[tuple[int, float]]:
         out = []

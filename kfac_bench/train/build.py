@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from kfac_bench.config.kfac_adapter import build_preconditioner
@@ -30,6 +30,7 @@ from kfac_bench.errors import UserError
 from kfac_bench.metrics.mlperf import writes_log
 from kfac_bench.metrics.recorder import Recorder
 from kfac_bench.metrics.tracker import StageTimes, StepTimer, TargetTracker
+from kfac_bench.metrics.trackers import open_tracker
 from kfac_bench.train.checkpoint import (
     CHECKPOINT_DIR,
     CheckpointManager,
@@ -221,6 +222,15 @@ def build_run(
             starting_world_size=w0,
             init_start_s=init_start_s,
         ),
+        tracker=open_tracker(
+            str(t.tracker.value),
+            run_dir,
+            OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
+            t.tracker_uri,
+            t.tracker_project,
+        )
+        if env.is_main
+        else None,
     )
     checkpoints = CheckpointManager(
         run_dir / CHECKPOINT_DIR,

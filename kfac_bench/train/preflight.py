@@ -1,7 +1,7 @@
 """Checks of a composed run config that need more than its schema, made once in the launching process
 before any rank starts: every bound (:mod:`kfac_bench.config.bounds`), a CUDA device when one is asked for
-(or, for a job of several ranks, unless the CPU is asked for), and targets only on metrics the task
-reports."""
+(or, for a job of several ranks, unless the CPU is asked for), targets only on metrics the task reports, and
+the library of ``train.tracker``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,19 @@ from typing import Any
 from kfac_bench.config.bounds import validate_run
 from kfac_bench.errors import ConfigError
 
-__all__ = ["check_device", "check_run", "check_targets", "launched_world_size"]
+__all__ = [
+    "check_device",
+    "check_run",
+    "check_targets",
+    "check_tracker",
+    "launched_world_size",
+]
+
+#: ``train.tracker`` -> (the module it needs, how to install it).
+_TRACKER_PACKAGES = {
+    "mlflow": ("mlflow", "pip install 'kfac-bench[tracking]' (or mlflow-skinny)"),
+    "wandb": ("wandb", "pip install wandb"),
+}
 
 
 def check_device(cfg: Any, world_size: int = 1) -> None:
@@ -80,9 +92,28 @@ def check_targets(cfg: Any) -> None:
         )
 
 
+def check_tracker(cfg: Any) -> None:
+    """``train.tracker`` names a tracker whose library is installed.
+
+    Raises:
+        ConfigError: one line naming the package to install.
+    """
+    import importlib.util
+
+    kind = str(getattr(cfg.train.tracker, "value", cfg.train.tracker))
+    if kind not in _TRACKER_PACKAGES:
+        return
+    module, install = _TRACKER_PACKAGES[kind]
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(
+            f"train.tracker={kind} needs the {module} package, which is not installed: {install}, "
+            "or set train.tracker=none"
+        )
+
+
 def check_run(cfg: Any, world_size: int | None = None) -> None:
-    """All of the above, in order: bounds, device, targets. ``world_size``: the ranks of the job (default:
-    :func:`launched_world_size`).
+    """All of the above, in order: bounds, device, targets, tracker. ``world_size``: the ranks of the job
+    (default: :func:`launched_world_size`).
 
     Raises:
         ConfigError: the first problem, as one line.
@@ -90,3 +121,4 @@ def check_run(cfg: Any, world_size: int | None = None) -> None:
     validate_run(cfg)
     check_device(cfg, launched_world_size(cfg) if world_size is None else world_size)
     check_targets(cfg)
+    check_tracker(cfg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -12,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from kfac_bench.errors import UserError
 from kfac_bench.metrics import summary
 from kfac_bench.train import distributed, elastic, rundir, warm_start
-from kfac_bench.train.build import build_run, seed_everything
+from kfac_bench.train.build import Run, build_run, seed_everything
 from kfac_bench.train.checkpoint import CHECKPOINT_DIR
 from kfac_bench.train.loop import run_loop
 from kfac_bench.train.signals import EXIT_REQUEUE, PreemptionFlag
@@ -146,29 +147,12 @@ def _train(
     state.wall.stop()
 
     if env.is_main:
-        save_outputs = getattr(loop.task, "save_outputs", None)  # optional (tasks/base.py)
-        if save_outputs is not None:
-            save_outputs(run_dir)
-        result = summary.run_summary(
-            name=cfg.name,
-            status=status,
-            tracker=loop.tracker,
-            steps=state.step,
-            steps_per_epoch=run.plan.steps_per_epoch,
-            samples=state.samples,
-            wall_time_s=state.wall.elapsed,
-            train_time_s=state.train_clock.elapsed,
-            throughput=state.throughput,
-            stage_times_s=run.stages.totals(),
-            precond=loop.precond,
-            world_size=env.world_size,
-            device=device,
-            config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
-            divergence=loop.divergence,
-        )
-        if loop.step_timer is not None:  # train.mode=benchmark
-            result["benchmark"] = loop.step_timer.summary()
-        summary.write_summary(run_dir, result)
+        assert status is not None  # run_loop returned
+        result = None
+        try:
+            result = _summarize(cfg, run_dir, run, env, device, status)
+        finally:  # TensorBoard's HParams and the tracker get the summary; closed even if it failed
+            run.recorder.finish(result, status)
         print(summary.report_line(result, run_dir), flush=True)
         if loop.divergence is not None:
             step, what = loop.divergence
@@ -183,3 +167,39 @@ def _train(
         if status == "preempted":  # last: the checkpoint and summary are complete
             rundir.mark_preempted(run_dir, state.step, flag.signum)
     return status
+
+
+def _summarize(
+    cfg: DictConfig,
+    run_dir: Path,
+    run: Run,
+    env: distributed.DistEnv,
+    device: torch.device,
+    status: str,
+) -> dict[str, Any]:
+    """Save the task's outputs, then write and return ``summary.json`` (rank 0)."""
+    loop, state = run.loop, run.loop.state
+    save_outputs = getattr(loop.task, "save_outputs", None)  # optional (tasks/base.py)
+    if save_outputs is not None:
+        save_outputs(run_dir)
+    result = summary.run_summary(
+        name=cfg.name,
+        status=status,
+        tracker=loop.tracker,
+        steps=state.step,
+        steps_per_epoch=run.plan.steps_per_epoch,
+        samples=state.samples,
+        wall_time_s=state.wall.elapsed,
+        train_time_s=state.train_clock.elapsed,
+        throughput=state.throughput,
+        stage_times_s=run.stages.totals(),
+        precond=loop.precond,
+        world_size=env.world_size,
+        device=device,
+        config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
+        divergence=loop.divergence,
+    )
+    if loop.step_timer is not None:  # train.mode=benchmark
+        result["benchmark"] = loop.step_timer.summary()
+    summary.write_summary(run_dir, result)
+    return result

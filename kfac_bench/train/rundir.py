@@ -75,6 +75,9 @@ MAY_CHANGE_ON_RESUME: tuple[str, ...] = (
     "train.progress",
     "train.log_every_steps",
     "train.tensorboard",
+    "train.tracker",
+    "train.tracker_uri",
+    "train.tracker_project",
     "kfac.track_stage_times",
     # Checkpoint cadence and retention: what a preemptible queue tunes.
     "train.checkpoint_every_epochs",

@@ -143,7 +143,9 @@ def test_generated_names_differ_per_composition_and_a_sweep_shares_one() -> None
     b = compose_run(["+recipe=digits_smoke"], return_hydra_config=True)
     assert str(a.hydra.run.dir) != str(b.hydra.run.dir)
     assert str(a.hydra.sweep.dir) == str(a.hydra.sweep.dir)  # cached: one value per config
-    assert re.search(r"_digits_smoke_[0-9a-f]{6}$", str(a.hydra.sweep.dir))
+    assert re.search(r"_digits_smoke_[0-9a-f]{6}$", str(a.hydra.run.dir))
+    # A sweep's folder is not named after a job (a sweep over recipes has one name per job): one folder.
+    assert re.fullmatch(r"runs/multirun/[0-9_-]+_[0-9a-f]{6}", str(a.hydra.sweep.dir))
 
 
 def test_a_run_dir_that_cannot_be_written_is_one_line(

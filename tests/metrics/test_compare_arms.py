@@ -160,13 +160,13 @@ def test_baseline_defaults_to_the_first_order_arm_and_can_be_chosen(tmp_path: Pa
     runs = find_runs(dirs)
     assert [g.label for g in Comparison(runs).groups] == ["SGD", "SGD + K-FAC (COMM-OPT)"]
     rows = table_rows(runs)
-    assert rows[0]["run"] == "SGD" and rows[0]["time_saved_pct"] == 0.0
-    # SGD 4 epochs x 0.1 s = 0.4 s; K-FAC 2 x 0.3 = 0.6 s: 50 % more time.
-    assert rows[1]["time_saved_pct"] == pytest.approx(100 * (0.4 - 0.6) / 0.4)
+    assert rows[0]["run"] == "SGD" and rows[0]["time_ratio"] == pytest.approx(1.0)
+    # SGD 4 epochs x 0.1 s = 0.4 s; K-FAC 2 x 0.3 = 0.6 s: 1.5x the baseline's time.
+    assert rows[1]["time_ratio"] == pytest.approx(0.6 / 0.4)
     assert rows[1]["step_time_ratio"] == pytest.approx(0.036 / 0.020)
     chosen = table_rows(runs, baseline="SGD + K-FAC (COMM-OPT)")
     assert chosen[0]["run"] == "SGD + K-FAC (COMM-OPT)"
-    assert chosen[1]["time_saved_pct"] == pytest.approx(100 * (0.6 - 0.4) / 0.6)
+    assert chosen[1]["time_ratio"] == pytest.approx(0.4 / 0.6)
     assert (
         table_rows(runs, baseline=str(dirs[1]))[0]["run"] == "SGD"
     )  # a run directory names its arm
@@ -196,8 +196,20 @@ def test_seeds_of_one_arm_group_into_median_and_spread(tmp_path: Path) -> None:
     assert base["min_metric_after_target_min"] == 0.95 and other[
         "kfac_overhead_pct"
     ] == pytest.approx(40)
+    # The time ratio is taken seed by seed where both reached: seeds 0 and 1 (SGD missed seed 2).
+    ratios = [2.0 / 1.8, 2.0 / 1.9]
+    assert base["time_ratio"] == pytest.approx(1.0)
+    assert other["time_ratio"] == pytest.approx(statistics.median(ratios))
+    assert (other["time_ratio_min"], other["time_ratio_max"]) == pytest.approx(
+        (min(ratios), max(ratios))
+    )
     text = render(runs, "terminal")
     assert "median [min-max] over seeds" in text.splitlines()[0]
+    ratio_line = next(x for x in text.splitlines() if x.startswith("time to target / baseline's"))
+    span = f"{min(ratios):.2f}-{max(ratios):.2f}"
+    assert ratio_line.endswith(f"{statistics.median(ratios):.2f} [{span}] (2/3 seeds)")
+    # The verdict's clock reads the same ratios (a tie: seed 1 is within 1.10x).
+    assert f"a tie where both reached (K-FAC took {span}x SGD's time, seeds 0, 1)" in text
     line = next(x for x in text.splitlines() if x.startswith("time to target (s)"))
     assert line.split("  ")[-1].strip() == "2.00 [2.00-2.20]" and "1.90 [1.80-miss]" in line
     parsed = list(csv.DictReader(io.StringIO(render(runs, "csv"))))
@@ -227,8 +239,8 @@ def test_verdict_kfac_faster_in_every_seed(tmp_path: Path) -> None:
         "SGD in 3/3 in 19 (1.9 s): "
     )
     times = [1.0 / 1.8, 1.0 / 1.9, 1.0 / 2.0]  # K-FAC's time over SGD's, per seed
-    less = f"{1 / max(times):.1f}-{1 / min(times):.1f}x less time"
-    clock = f"on the clock K-FAC was faster in every seed both reached ({less}, seeds 0, 1, 2)"
+    took = f"K-FAC took {min(times):.2f}-{max(times):.2f}x SGD's time"
+    clock = f"on the clock K-FAC was faster in every seed both reached ({took}, seeds 0, 1, 2)"
     assert f"{19 / 10:.1f}x fewer epochs; {clock}" in line
     assert "only because" not in line and "fell back" not in line
 
@@ -253,8 +265,8 @@ def test_verdict_sgd_faster_on_the_clock_despite_fewer_kfac_epochs(tmp_path: Pat
     sgd = [(18, 0.1), (19, 0.1), (20, 0.1)]
     kfac = [(10, 0.3)] * 3  # 3.0 s each
     line = _verdict(tmp_path, sgd=sgd, kfac=kfac)
-    took = f"{3.0 / 2.0:.1f}-{3.0 / 1.8:.1f}x"
-    clock = f"on the clock SGD was faster in every seed both reached (K-FAC took {took} its time"
+    took = f"{3.0 / 2.0:.2f}-{3.0 / 1.8:.2f}x"
+    clock = f"on the clock SGD was faster in every seed both reached (K-FAC took {took} SGD's time"
     assert f"{19 / 10:.1f}x fewer epochs; {clock}" in line
 
 
@@ -296,7 +308,8 @@ def test_cut_off_files_give_one_warning_each_and_the_readable_part(tmp_path: Pat
     dirs = _crashed(tmp_path)
     warnings: list[str] = []
     runs = {r.path.name: r for r in find_runs(list(dirs.values()), on_warning=warnings.append)}
-    assert len(warnings) == 4 and all("\n" not in w for w in warnings)
+    assert len(warnings) == 5 and all("\n" not in w for w in warnings)
+    assert warnings[4].startswith("only one arm (SGD, 4 run(s))")
     assert "cut_line/eval.jsonl: 1 unreadable line(s) skipped" in warnings[0]
     assert "empty or cut off" in warnings[1] and "empty or cut off" in warnings[2]
     assert "summary.json is missing" in warnings[3]
@@ -321,6 +334,7 @@ def test_cli_compares_crashed_runs_with_one_line_warnings(tmp_path: Path) -> Non
     result = run_cli("compare", "runs", "--out", "out", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 4 and all(x.startswith("kfac-bench: warning: ") for x in lines)
+    # One per cut-off file, and one saying all four runs are one arm.
+    assert len(lines) == 5 and all(x.startswith("kfac-bench: warning: ") for x in lines)
     assert "Traceback" not in result.stderr
     assert (tmp_path / "out" / "compare.csv").read_text().count("\n") == 2
