@@ -185,8 +185,10 @@ def main(args: Sequence[str]) -> int:
         return 0
     worker = inside_launched_worker()
     if worker:
+        from kfac_bench.train.lifeline import tie_to_agent
         from kfac_bench.train.signals import catch_early
 
+        tie_to_agent()  # a rank dies with the agent that started it, even a SIGKILLed one
         catch_early()  # a preemption signal during the imports below is kept, not fatal
     from kfac_bench.config.compose import normalize_overrides
 

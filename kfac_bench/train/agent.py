@@ -12,6 +12,8 @@ with these differences:
   ``preempted`` marker (:mod:`kfac_bench.train.rundir`); the agent returns :data:`EXIT_REQUEUE` exactly when
   the marker is there.
 * A rank's one-line user error (exit 2 on every rank) stays exit 2.
+* The ranks die with this process: a SIGKILL of the agent (which releases the run directory's lock) kills
+  them too, so none trains on unsupervised beside a second run (:mod:`kfac_bench.train.lifeline`).
 
 ``launcher=torchrun`` calls :func:`run_torchrun` in the Hydra job's process; ``launch/slurm.sbatch`` and
 ``launch/torchrun_multinode.sh`` start this module on every node, which first checks the config (bounds,
@@ -31,6 +33,7 @@ from pathlib import Path
 
 from kfac_bench.errors import UserError
 from kfac_bench.train import rundir
+from kfac_bench.train.lifeline import AGENT_PID_ENV
 from kfac_bench.train.signals import EXIT_REQUEUE, PreemptionFlag
 
 __all__ = ["child_pids", "main", "run_dir_of", "run_torchrun"]
@@ -109,8 +112,9 @@ def run_torchrun(args: Sequence[str], run_dir: Path) -> int:
     rundir.clear_preempted(run_dir)  # a marker from an earlier attempt must not requeue this one
     forward = _Forwarder()
     flag = PreemptionFlag(forward=forward).install()
-    saved = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    saved = {key: os.environ.get(key) for key in ("TORCHELASTIC_SIGNALS_TO_HANDLE", AGENT_PID_ENV)}
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = _AGENT_SIGNALS
+    os.environ[AGENT_PID_ENV] = str(os.getpid())  # the ranks die with this process
     try:
         torchrun_main(list(args))
         status = 0
@@ -122,10 +126,11 @@ def run_torchrun(args: Sequence[str], run_dir: Path) -> int:
     finally:
         forward.stop()
         flag.restore()
-        if saved is None:
-            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
-        else:
-            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = saved
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     if rundir.was_preempted(run_dir):
         status = EXIT_REQUEUE
         flag.hand_back()

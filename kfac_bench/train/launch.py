@@ -28,6 +28,7 @@ JOB_ENV_KEYS = (
     "TORCHELASTIC_RUN_ID",
     "SLURM_NTASKS",
     "SLURM_PROCID",
+    "KFAC_BENCH_AGENT_PID",  # kfac_bench.train.lifeline.AGENT_PID_ENV
 )
 
 
