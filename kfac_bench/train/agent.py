@@ -142,8 +142,32 @@ def run_dir_of(args: Sequence[str]) -> Path | None:
     found = None
     for arg in args:
         if arg.startswith("hydra.run.dir="):
-            found = Path(arg.split("=", 1)[1]).resolve()
+            found = Path(_override_value(arg)).resolve()
     return found
+
+
+def _override_value(arg: str) -> str:
+    """The value of override ``arg`` as Hydra reads it (quoted or not), OmegaConf's escapes undone.
+
+    Raises:
+        UserError: Hydra cannot parse it (a path with spaces, ``,`` or ``=`` must be quoted).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    key, _, raw = arg.partition("=")
+    try:
+        value = OverridesParser.create().parse_override(arg).value()
+        if isinstance(value, str):
+            return str(OmegaConf.create({"v": value}).v)
+    except (HydraException, OmegaConfBaseException, ValueError):
+        pass
+    raise UserError(
+        f"{key}={raw} is not one path in Hydra's override syntax; quote it: "
+        f"`python -m kfac_bench.train.launch DIR` prints {key}='DIR' with the quoting it needs"
+    )
 
 
 def _train_overrides(args: Sequence[str]) -> list[str]:
