@@ -21,7 +21,7 @@ from typing import Any
 from kfac_bench.config import config_dir
 from kfac_bench.errors import ConfigError, UserError
 
-__all__ = ["SUMMARY", "check_overrides", "help_text", "main"]
+__all__ = ["SUMMARY", "check_overrides", "config_dirs_of", "help_text", "main"]
 
 SUMMARY = """\
   train     train a model: kfac-bench train [+recipe=NAME] [group=option] [key=value ...]
@@ -132,9 +132,25 @@ def _split(args: Sequence[str]) -> tuple[list[str], list[str]]:
     return flags, overrides
 
 
-def check_overrides(overrides: Sequence[str], multirun: bool) -> Any:
-    """Compose the config for ``overrides`` (each sweep value in turn when ``multirun``) and check every
-    bounded value; returns the composed config (with ``hydra``) of a single run, else None.
+def config_dirs_of(flags: Sequence[str]) -> list[str]:
+    """The directories of Hydra's ``--config-dir DIR`` / ``--config-dir=DIR`` / ``-cd DIR`` flags."""
+    dirs = []
+    for i, flag in enumerate(flags):
+        name, eq, value = flag.partition("=")
+        if name in ("--config-dir", "-cd"):
+            if eq:
+                dirs.append(value)
+            elif i + 1 < len(flags):
+                dirs.append(flags[i + 1])
+    return dirs
+
+
+def check_overrides(
+    overrides: Sequence[str], multirun: bool, config_dirs: Sequence[str] = ()
+) -> Any:
+    """Compose the config for ``overrides`` (each sweep value in turn when ``multirun``, with the user's
+    ``config_dirs`` on the search path) and check every bounded value; returns the composed config (with
+    ``hydra``) of a single run, else None.
 
     Raises:
         ConfigError: one line naming the problem.
@@ -142,12 +158,12 @@ def check_overrides(overrides: Sequence[str], multirun: bool) -> Any:
     from kfac_bench.config.compose import normalize_overrides
 
     if not multirun:
-        return _compose_checked(overrides)
+        return _compose_checked(overrides, config_dirs)
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(normalize_overrides(overrides))
     base = [str(o.input_line) if not o.is_sweep_override() else _first(o) for o in parsed]
-    _compose_checked(base)
+    _compose_checked(base, config_dirs)
     checks = 0
     for i, o in enumerate(parsed):
         if not o.is_sweep_override():
@@ -157,16 +173,16 @@ def check_overrides(overrides: Sequence[str], multirun: bool) -> Any:
                 return None
             variant = list(base)
             variant[i] = f"{o.get_key_element()}={value}"
-            _compose_checked(variant)
+            _compose_checked(variant, config_dirs)
             checks += 1
     return None
 
 
-def _compose_checked(overrides: Sequence[str]) -> Any:
+def _compose_checked(overrides: Sequence[str], config_dirs: Sequence[str] = ()) -> Any:
     from kfac_bench.config.bounds import validate_run
     from kfac_bench.config.compose import compose_run
 
-    cfg = compose_run(overrides, return_hydra_config=True)
+    cfg = compose_run(overrides, return_hydra_config=True, config_dirs=config_dirs)
     validate_run(cfg)
     return cfg
 
@@ -196,7 +212,9 @@ def main(args: Sequence[str]) -> int:
     try:
         names = _check_flags(flags)
         if not names & {"--hydra-help", "--info", "-i", "--shell-completion", "-sc", "--version"}:
-            cfg = check_overrides(overrides, multirun=bool(names & {"-m", "--multirun"}))
+            cfg = check_overrides(
+                overrides, bool(names & {"-m", "--multirun"}), config_dirs_of(flags)
+            )
             if cfg is not None and not names & {"--cfg", "-c"}:
                 from kfac_bench.train.preflight import check_run
 
@@ -298,8 +316,14 @@ def _run_hydra(args: list[str]) -> int:
         register_resolvers()
         hc = HydraConfig.get()
         run_dir = Path(hc.runtime.output_dir)
+        # The ranks of launcher=torchrun compose the same config: the user's --config-dir goes with them.
+        user_dirs = [
+            f"--config-dir={src.path.removeprefix('file://')}"
+            for src in hc.runtime.config_sources
+            if src.provider == "command-line" and src.schema == "file"
+        ]
         try:
-            statuses.append(_job(cfg, run_dir, list(hc.overrides.task)))
+            statuses.append(_job(cfg, run_dir, [*user_dirs, *hc.overrides.task]))
         except UserError as exc:
             if not _secondary_rank():
                 print(f"kfac-bench: error: {exc}", file=sys.stderr, flush=True)
