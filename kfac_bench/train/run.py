@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from kfac_bench.data.loader import shutdown_workers
 from kfac_bench.errors import UserError
 from kfac_bench.metrics import summary
 from kfac_bench.train import distributed, rundir, warm_start
@@ -110,6 +111,7 @@ def _train(
     try:
         status = run_loop(loop)
     finally:
+        shutdown_workers(loop.train_loader, loop.eval_loader)  # else an error would hang at exit
         run.recorder.close(status)
     state.wall.stop()
 
