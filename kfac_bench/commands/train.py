@@ -209,6 +209,7 @@ def main(args: Sequence[str]) -> int:
     from kfac_bench.config.compose import normalize_overrides
 
     flags, overrides = _split(args)
+    locked: Path | None = None
     try:
         names = _check_flags(flags)
         if not names & {"--hydra-help", "--info", "-i", "--shell-completion", "-sc", "--version"}:
@@ -220,12 +221,18 @@ def main(args: Sequence[str]) -> int:
 
                 check_run(cfg)
                 if not worker:
-                    _check_explicit_run_dir(cfg, overrides)
+                    locked = _check_explicit_run_dir(cfg, overrides)
     except UserError as exc:
         if _secondary_rank():
             return exc.exit_code  # rank 0 says it
         raise
-    return _run_hydra(normalize_overrides(args))
+    try:
+        return _run_hydra(normalize_overrides(args))
+    finally:
+        if locked is not None:
+            from kfac_bench.train import rundir
+
+            rundir.release(locked)
 
 
 def _check_flags(flags: list[str]) -> set[str]:
@@ -269,14 +276,15 @@ def _secondary_rank() -> bool:
     return detect().rank != 0
 
 
-def _check_explicit_run_dir(cfg: Any, overrides: Sequence[str]) -> None:
+def _check_explicit_run_dir(cfg: Any, overrides: Sequence[str]) -> Path | None:
     """A ``hydra.run.dir`` given on the command line must be writable, free, and (if it holds a run)
-    record this config: checked before Hydra writes its ``.hydra/`` files there (the job takes the lock
-    itself)."""
+    record this config. Its lock is taken here, before Hydra writes its ``.hydra/`` files there, so of two
+    runs started at once in one directory the loser leaves no trace (the job's claim then finds the lock
+    held by this process). Returns the locked directory, for the caller to release."""
     from kfac_bench.train import rundir
 
     if not any(o.startswith("hydra.run.dir=") for o in overrides):
-        return
+        return None
     run_dir = Path(str(cfg.hydra.run.dir)).resolve()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -286,8 +294,13 @@ def _check_explicit_run_dir(cfg: Any, overrides: Sequence[str]) -> None:
         ) from None
     if not os.access(run_dir, os.W_OK):
         raise UserError(f"run dir {run_dir} is not writable; choose a writable hydra.run.dir")
-    rundir.probe_lock(run_dir)
-    rundir.check_config(run_dir, _job_part(cfg))
+    rundir.lock(run_dir)
+    try:
+        rundir.check_config(run_dir, _job_part(cfg))
+    except BaseException:
+        rundir.release(run_dir)
+        raise
+    return run_dir
 
 
 def _job_part(cfg: Any) -> Any:
