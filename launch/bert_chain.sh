@@ -8,8 +8,8 @@
 #
 # Then: kfac-bench compare --chain lamb=runs/bert-chain-lamb-lamb/phase1,...,.../squad --chain kfac=...
 # (the script prints the exact line). Requeued jobs resume from their fixed run directories.
-# Environment: CHAIN_DIR (runs/bert-chain-<p1>-<p2>; no ","), NODES (2: the paper's 16 A100), SQUAD_GPUS (1: the
-# authors' run_squad.sh), SQUAD_ARGS (the SQuAD files, e.g. "dataset.train_file=... dataset.vocab_file=..."),
+# Environment: CHAIN_DIR (runs/bert-chain-<p1>-<p2>; no ','), NODES (2: the paper's 16 A100),
+# SQUAD_GPUS (1: the authors' run_squad.sh), SQUAD_ARGS (the SQuAD files, e.g. "dataset.train_file=... dataset.vocab_file=..."),
 # P1_ARGS / P2_ARGS (e.g. P1_ARGS=train.max_steps=6000 for Table 4b), SBATCH (sbatch).
 set -euo pipefail
 
@@ -20,7 +20,8 @@ fi
 recipe() { if [ "$2" = kfac ]; then echo "bert_large_pretrain_phase$1"; else echo "bert_large_pretrain_phase$1_lamb"; fi; }
 dir=${CHAIN_DIR:-runs/bert-chain-$1-$2}
 if [[ "${dir}" == *,* ]]; then  # sbatch --export=ALL,RUN_DIR=... would split it into more variables
-  echo "kfac-bench: error: CHAIN_DIR '${dir}' contains ',', which sbatch --export splits; choose a folder without ','" >&2
+  echo "kfac-bench: error: CHAIN_DIR '${dir}' contains ',', which sbatch --export splits;" \
+    "choose a folder without ','" >&2
   exit 2
 fi
 nodes=${NODES:-2}
