@@ -9,8 +9,9 @@
 # Then: kfac-bench compare --chain lamb=runs/bert-chain-lamb-lamb/phase1,...,.../squad --chain kfac=...
 # (the script prints the exact line). Requeued jobs resume from their fixed run directories.
 # Environment: CHAIN_DIR (runs/bert-chain-<p1>-<p2>; no ','), NODES (2: the paper's 16 A100),
-# SQUAD_GPUS (1: the authors' run_squad.sh), SQUAD_ARGS (the SQuAD files, e.g. "dataset.train_file=... dataset.vocab_file=..."),
-# P1_ARGS / P2_ARGS (e.g. P1_ARGS=train.max_steps=6000 for Table 4b), SBATCH (sbatch).
+# SQUAD_GPUS (1: the authors' run_squad.sh), SQUAD_ARGS (the SQuAD files, e.g.
+# "dataset.train_file=... dataset.vocab_file=..."), P1_ARGS / P2_ARGS (e.g. P1_ARGS=train.max_steps=6000 for
+# Table 4b), SBATCH (sbatch).
 set -euo pipefail
 
 if [ "$#" -ne 2 ] || [[ ! "$1 $2" =~ ^(lamb|kfac)\ (lamb|kfac)$ ]]; then
