@@ -20,11 +20,18 @@ if [ "$#" -ne 2 ] || [[ ! "$1 $2" =~ ^(lamb|kfac)\ (lamb|kfac)$ ]]; then
 fi
 recipe() { if [ "$2" = kfac ]; then echo "bert_large_pretrain_phase$1"; else echo "bert_large_pretrain_phase$1_lamb"; fi; }
 dir=${CHAIN_DIR:-runs/bert-chain-$1-$2}
-if [[ "${dir}" == *,* ]]; then  # sbatch --export=ALL,RUN_DIR=... would split it into more variables
-  echo "kfac-bench: error: CHAIN_DIR '${dir}' contains ',', which sbatch --export splits;" \
-    "choose a folder without ','" >&2
-  exit 2
-fi
+case "${dir}" in
+  *,*)  # sbatch --export=ALL,RUN_DIR=... would split it into more variables
+    echo "kfac-bench: error: CHAIN_DIR '${dir}' contains ',', which sbatch --export splits;" \
+      "choose a folder without ','" >&2
+    exit 2 ;;
+  *\'* | *\\* | *\$\{*)  # what the single-quoted Hydra values below cannot hold as they are
+    echo "kfac-bench: error: CHAIN_DIR '${dir}' contains a quote, a backslash or '\${';" \
+      "choose a folder without them" >&2
+    exit 2 ;;
+esac
+# The previous stage's checkpoint, quoted for Hydra's override grammar (spaces, '=', non-ASCII).
+ckpt() { echo "model.init_checkpoint='${dir}/$1/checkpoints/last.pt'"; }
 nodes=${NODES:-2}
 read -r -a p1_args <<< "${P1_ARGS:-}"
 read -r -a p2_args <<< "${P2_ARGS:-}"
@@ -38,10 +45,10 @@ submit() {  # sbatch --parsable prints "jobid" or "jobid;cluster"
 job1=$(submit --nodes="${nodes}" --export="ALL,RUN_DIR=${dir}/phase1" launch/slurm.sbatch \
   "+recipe=$(recipe 1 "$1")" "${p1_args[@]}")
 job2=$(submit --nodes="${nodes}" --dependency="afterok:${job1}" --export="ALL,RUN_DIR=${dir}/phase2" \
-  launch/slurm.sbatch "+recipe=$(recipe 2 "$2")" "model.init_checkpoint=${dir}/phase1/checkpoints/last.pt" \
+  launch/slurm.sbatch "+recipe=$(recipe 2 "$2")" "$(ckpt phase1)" \
   "${p2_args[@]}")
 job3=$(submit --nodes=1 --gpus-per-node="${SQUAD_GPUS:-1}" --dependency="afterok:${job2}" \
   --export="ALL,RUN_DIR=${dir}/squad,GPUS_PER_NODE=${SQUAD_GPUS:-1}" launch/slurm.sbatch \
-  "+recipe=bert_large_squad" "model.init_checkpoint=${dir}/phase2/checkpoints/last.pt" "${squad_args[@]}")
+  "+recipe=bert_large_squad" "$(ckpt phase2)" "${squad_args[@]}")
 echo "submitted the $1/$2 chain: jobs ${job1} -> ${job2} -> ${job3} in ${dir}"
 echo "when it is done: kfac-bench compare --chain $1-$2=${dir}/phase1,${dir}/phase2,${dir}/squad --chain ..."
