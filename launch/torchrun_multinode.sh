@@ -16,9 +16,11 @@ set -euo pipefail
 : "${NNODES:?set NNODES to the number of nodes}"
 : "${MASTER_ADDR:?set MASTER_ADDR to the first node}"
 RUN_ID=${RUN_ID:-kfac-bench}
+# hydra.run.dir='RUN_DIR', quoted for Hydra's override grammar (spaces, ',', '=', non-ASCII).
+run_dir_arg=$("${PYTHON:-python}" -m kfac_bench.train.launch "${RUN_DIR:-runs/${RUN_ID}}")
 
 exec "${PYTHON:-python}" -m kfac_bench.train.agent \
   --nnodes="${NNODES}" --nproc-per-node="${GPUS_PER_NODE:-gpu}" \
   --rdzv-backend=c10d --rdzv-endpoint="${MASTER_ADDR}:${MASTER_PORT:-29500}" --rdzv-id="${RUN_ID}" \
   --max-restarts="${MAX_RESTARTS:-0}" \
-  -m kfac_bench.cli train "hydra.run.dir=${RUN_DIR:-runs/${RUN_ID}}" "$@"
+  -m kfac_bench.cli train "${run_dir_arg}" "$@"

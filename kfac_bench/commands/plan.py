@@ -23,7 +23,7 @@ memory per rank by category, and the bytes each collective sends per step / fact
 The model is built on the meta device from the recipe exactly as `kfac-bench train` composes it.
 
 plan keys:
-  plan.world_sizes=[8,16,32,64,128]   GPUs to plan for
+  plan.world_sizes=[8,16,32,64,128]   GPUs to plan for (each at most 16384)
   plan.fractions=[...]                grad_worker_fraction values (default: all with equal groups)
   plan.memory_budget_gb=X             recommend the fastest row that fits X GiB per GPU
   plan.out=DIR                        where plan.json and plan.png go (default: plan)

@@ -21,7 +21,7 @@ from typing import Any
 from kfac_bench.config import config_dir
 from kfac_bench.errors import ConfigError, UserError
 
-__all__ = ["SUMMARY", "check_overrides", "help_text", "main"]
+__all__ = ["SUMMARY", "check_overrides", "config_dirs_of", "help_text", "main"]
 
 SUMMARY = """\
   train     train a model: kfac-bench train [+recipe=NAME] [group=option] [key=value ...]
@@ -132,9 +132,25 @@ def _split(args: Sequence[str]) -> tuple[list[str], list[str]]:
     return flags, overrides
 
 
-def check_overrides(overrides: Sequence[str], multirun: bool) -> Any:
-    """Compose the config for ``overrides`` (each sweep value in turn when ``multirun``) and check every
-    bounded value; returns the composed config (with ``hydra``) of a single run, else None.
+def config_dirs_of(flags: Sequence[str]) -> list[str]:
+    """The directories of Hydra's ``--config-dir DIR`` / ``--config-dir=DIR`` / ``-cd DIR`` flags."""
+    dirs = []
+    for i, flag in enumerate(flags):
+        name, eq, value = flag.partition("=")
+        if name in ("--config-dir", "-cd"):
+            if eq:
+                dirs.append(value)
+            elif i + 1 < len(flags):
+                dirs.append(flags[i + 1])
+    return dirs
+
+
+def check_overrides(
+    overrides: Sequence[str], multirun: bool, config_dirs: Sequence[str] = ()
+) -> Any:
+    """Compose the config for ``overrides`` (each sweep value in turn when ``multirun``, with the user's
+    ``config_dirs`` on the search path) and check every bounded value; returns the composed config (with
+    ``hydra``) of a single run, else None.
 
     Raises:
         ConfigError: one line naming the problem.
@@ -142,12 +158,12 @@ def check_overrides(overrides: Sequence[str], multirun: bool) -> Any:
     from kfac_bench.config.compose import normalize_overrides
 
     if not multirun:
-        return _compose_checked(overrides)
+        return _compose_checked(overrides, config_dirs)
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(normalize_overrides(overrides))
     base = [str(o.input_line) if not o.is_sweep_override() else _first(o) for o in parsed]
-    _compose_checked(base)
+    _compose_checked(base, config_dirs)
     checks = 0
     for i, o in enumerate(parsed):
         if not o.is_sweep_override():
@@ -157,16 +173,16 @@ def check_overrides(overrides: Sequence[str], multirun: bool) -> Any:
                 return None
             variant = list(base)
             variant[i] = f"{o.get_key_element()}={value}"
-            _compose_checked(variant)
+            _compose_checked(variant, config_dirs)
             checks += 1
     return None
 
 
-def _compose_checked(overrides: Sequence[str]) -> Any:
+def _compose_checked(overrides: Sequence[str], config_dirs: Sequence[str] = ()) -> Any:
     from kfac_bench.config.bounds import validate_run
     from kfac_bench.config.compose import compose_run
 
-    cfg = compose_run(overrides, return_hydra_config=True)
+    cfg = compose_run(overrides, return_hydra_config=True, config_dirs=config_dirs)
     validate_run(cfg)
     return cfg
 
@@ -185,22 +201,27 @@ def main(args: Sequence[str]) -> int:
         return 0
     worker = inside_launched_worker()
     if worker:
+        from kfac_bench.train.lifeline import tie_to_agent
         from kfac_bench.train.signals import catch_early
 
+        tie_to_agent()  # a rank dies with the agent that started it, even a SIGKILLed one
         catch_early()  # a preemption signal during the imports below is kept, not fatal
     from kfac_bench.config.compose import normalize_overrides
 
     flags, overrides = _split(args)
+    locked: Path | None = None
     try:
         names = _check_flags(flags)
         if not names & {"--hydra-help", "--info", "-i", "--shell-completion", "-sc", "--version"}:
-            cfg = check_overrides(overrides, multirun=bool(names & {"-m", "--multirun"}))
+            cfg = check_overrides(
+                overrides, bool(names & {"-m", "--multirun"}), config_dirs_of(flags)
+            )
             if cfg is not None and not names & {"--cfg", "-c"}:
                 from kfac_bench.train.preflight import check_run
 
                 check_run(cfg)
                 if not worker:
-                    _check_explicit_run_dir(cfg, overrides)
+                    locked = _check_explicit_run_dir(cfg, overrides)
     except UserError as exc:
         if _secondary_rank():
             return exc.exit_code  # rank 0 says it
@@ -210,7 +231,13 @@ def main(args: Sequence[str]) -> int:
         # Hydra would create a directory of this rank's own (another time stamp and suffix) holding only
         # .hydra/; the rank trains in rank 0's instead (kfac_bench.train.run.train), so it writes none.
         args = [*args, "hydra.output_subdir=null", "hydra.run.dir=."]
-    return _run_hydra(normalize_overrides(args), shared)
+    try:
+        return _run_hydra(normalize_overrides(args), shared)
+    finally:
+        if locked is not None:
+            from kfac_bench.train import rundir
+
+            rundir.release(locked)
 
 
 def _run_dir_from_rank_0(overrides: Sequence[str], multirun: bool) -> bool:
@@ -266,14 +293,15 @@ def _secondary_rank() -> bool:
     return detect().rank != 0
 
 
-def _check_explicit_run_dir(cfg: Any, overrides: Sequence[str]) -> None:
+def _check_explicit_run_dir(cfg: Any, overrides: Sequence[str]) -> Path | None:
     """A ``hydra.run.dir`` given on the command line must be writable, free, and (if it holds a run)
-    record this config: checked before Hydra writes its ``.hydra/`` files there (the job takes the lock
-    itself)."""
+    record this config. Its lock is taken here, before Hydra writes its ``.hydra/`` files there, so of two
+    runs started at once in one directory the loser leaves no trace (the job's claim then finds the lock
+    held by this process). Returns the locked directory, for the caller to release."""
     from kfac_bench.train import rundir
 
     if not any(o.startswith("hydra.run.dir=") for o in overrides):
-        return
+        return None
     run_dir = Path(str(cfg.hydra.run.dir)).resolve()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -283,8 +311,13 @@ def _check_explicit_run_dir(cfg: Any, overrides: Sequence[str]) -> None:
         ) from None
     if not os.access(run_dir, os.W_OK):
         raise UserError(f"run dir {run_dir} is not writable; choose a writable hydra.run.dir")
-    rundir.probe_lock(run_dir)
-    rundir.check_config(run_dir, _job_part(cfg))
+    rundir.lock(run_dir)
+    try:
+        rundir.check_config(run_dir, _job_part(cfg))
+    except BaseException:
+        rundir.release(run_dir)
+        raise
+    return run_dir
 
 
 def _job_part(cfg: Any) -> Any:
@@ -313,8 +346,16 @@ def _run_hydra(args: list[str], run_dir_from_rank_0: bool = False) -> int:
         register_resolvers()
         hc = HydraConfig.get()
         run_dir = Path(hc.runtime.output_dir)
+        # The ranks of launcher=torchrun compose the same config: the user's --config-dir goes with them.
+        user_dirs = [
+            f"--config-dir={src.path.removeprefix('file://')}"
+            for src in hc.runtime.config_sources
+            if src.provider == "command-line" and src.schema == "file"
+        ]
         try:
-            statuses.append(_job(cfg, run_dir, list(hc.overrides.task), run_dir_from_rank_0))
+            statuses.append(
+                _job(cfg, run_dir, [*user_dirs, *hc.overrides.task], run_dir_from_rank_0)
+            )
         except UserError as exc:
             if not _secondary_rank():
                 print(f"kfac-bench: error: {exc}", file=sys.stderr, flush=True)

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from kfac_bench.config import config_dir
-from kfac_bench.config.store import register
+from kfac_bench.config.store import broken_recipe, register, yaml_error_line
 from kfac_bench.errors import ConfigError
 
 __all__ = ["PRIMARY", "compose_run", "to_config_error"]
@@ -36,22 +38,41 @@ def normalize_overrides(overrides: Sequence[str]) -> list[str]:
     return [re.sub(r"^\+{1,2}recipe=", "recipe=", o) for o in overrides]
 
 
-def compose_run(overrides: Sequence[str], return_hydra_config: bool = False) -> DictConfig:
-    """The composed run config for command-line ``overrides`` (``key=value`` strings).
+def compose_run(
+    overrides: Sequence[str],
+    return_hydra_config: bool = False,
+    config_dirs: Sequence[str | Path] = (),
+) -> DictConfig:
+    """The composed run config for command-line ``overrides`` (``key=value`` strings), with the user's
+    ``config_dirs`` (Hydra's ``--config-dir``: e.g. ``DIR/recipe/NAME.yaml`` for ``+recipe=NAME``) on
+    the search path.
 
     Raises:
-        ConfigError: with one line naming the bad key, option or value.
+        ConfigError: with one line naming the bad key, option or value (or file, for invalid YAML).
     """
     register()
+    overrides = normalize_overrides(overrides)
+    if config_dirs:
+        overrides.append(_search_path_override(config_dirs))
     try:
         with initialize_config_dir(str(config_dir()), version_base="1.3", job_name="kfac_bench"):
-            return compose(
-                PRIMARY,
-                overrides=normalize_overrides(overrides),
-                return_hydra_config=return_hydra_config,
-            )
-    except (HydraException, OmegaConfBaseException) as exc:
+            return compose(PRIMARY, overrides=overrides, return_hydra_config=return_hydra_config)
+    except (HydraException, OmegaConfBaseException, yaml.YAMLError) as exc:
         raise to_config_error(exc) from None
+
+
+def _search_path_override(config_dirs: Sequence[str | Path]) -> str:
+    from kfac_bench.train.launch import hydra_quote
+
+    paths = []
+    for d in config_dirs:
+        path = Path(d).resolve()
+        if not path.is_dir():
+            raise ConfigError(
+                f"config dir {path} (--config-dir) is not a directory; give one that is"
+            )
+        paths.append(hydra_quote(f"file://{path}"))
+    return f"hydra.searchpath=[{','.join(paths)}]"
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
@@ -64,6 +85,10 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 def to_config_error(exc: BaseException) -> ConfigError:
     """One-line :class:`ConfigError` for an exception raised while composing a config."""
+    for cause in _chain(exc):
+        if isinstance(cause, yaml.YAMLError):
+            mark = getattr(cause, "problem_mark", None)
+            return ConfigError("config " + yaml_error_line(getattr(mark, "name", "file"), cause))
     text = "\n".join(str(e) for e in _chain(exc))
     missing = _MISSING.search(text)
     if isinstance(exc, MissingConfigException) or missing:
@@ -80,6 +105,9 @@ def to_config_error(exc: BaseException) -> ConfigError:
                 "the SLURM sweep launcher needs hydra-submitit-launcher: pip install 'kfac-bench[slurm]'"
             )
         label = group or "config"
+        broken = broken_recipe(name) if group == "recipe" else None
+        if broken is not None:
+            return ConfigError(broken)
         return ConfigError(f"unknown {label} '{name}'; valid names: {valid or '(none)'}")
     key = _NOT_IN_STRUCT.search(text)
     if key:

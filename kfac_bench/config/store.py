@@ -4,12 +4,15 @@ Schemas are stored as ``schema/<group>/<name>``; every YAML option extends its s
 ``- /schema/<group>/<name>@_here_`` in its defaults list. Recipes are flat YAML files in ``recipes/`` (kept
 out of ``configs/`` so the benchmarks are easy to find); each is stored as option ``recipe/<stem>`` with the
 package its header declares (``# @package _global_``), so ``+recipe=NAME`` selects it like any group option.
+A recipe file that is not valid YAML is left out, and selecting it gives one line naming the file and line
+(:func:`broken_recipe`): every other recipe, and ``--help``, still work.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
@@ -17,12 +20,28 @@ from kfac_bench.config import recipes_dir
 from kfac_bench.config.families import SCHEMAS as FAMILY_SCHEMAS
 from kfac_bench.config.resolvers import register_resolvers
 from kfac_bench.config.schema import SCHEMAS, RunConfig
-from kfac_bench.errors import ConfigError
 
-__all__ = ["PACKAGE_HEADER", "recipe_names", "register"]
+__all__ = ["PACKAGE_HEADER", "broken_recipe", "recipe_names", "register", "yaml_error_line"]
 
 PACKAGE_HEADER = "# @package "
 _registered = False
+#: Recipe name -> why its file cannot be read (one line), filled by :func:`register`.
+_broken: dict[str, str] = {}
+
+
+def yaml_error_line(path: Path | str, exc: BaseException) -> str:
+    """One line for a YAML file that does not parse: the file, the line and column, and the problem."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = (
+        f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(path)
+    )
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"{where} is not valid YAML ({problem}); fix the file or move it away"
+
+
+def broken_recipe(name: str) -> str | None:
+    """Why recipe ``name``'s file cannot be read, if it is one that :func:`register` left out."""
+    return _broken.get(name)
 
 
 def recipe_names() -> list[str]:
@@ -52,8 +71,14 @@ def register() -> None:
     for path in sorted(recipes_dir().glob("*.yaml")):
         package = _recipe_package(path)
         if package != "_global_":
-            raise ConfigError(
+            _broken[path.stem] = (
                 f"recipe {path} must start with '# @package _global_' (found {package!r})"
             )
-        cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package=package)
+            continue
+        try:
+            node = OmegaConf.load(path)
+        except yaml.YAMLError as exc:
+            _broken[path.stem] = f"recipe {yaml_error_line(path, exc)}"
+            continue
+        cs.store(group="recipe", name=path.stem, node=node, package=package)
     _registered = True

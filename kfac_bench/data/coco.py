@@ -32,6 +32,7 @@ returns images at their stored size.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ from torchvision.transforms.functional import pil_to_tensor
 
 from kfac_bench.data.base import DataSplits
 from kfac_bench.data.coco_fixtures import write_tiny_coco
+from kfac_bench.data.images import load_rgb
 from kfac_bench.errors import DatasetError
 
 __all__ = [
@@ -168,12 +170,8 @@ class CocoInstances(CocoDetection):
             ]
 
     def _load_image(self, id: int) -> Image.Image:
-        try:
-            return super()._load_image(id)
-        except FileNotFoundError as err:
-            raise DatasetError(
-                err.filename, f"the image of COCO image id {id} under '{self.root}'"
-            ) from err
+        # A missing, truncated or corrupt file is one line naming it (kfac_bench.data.images).
+        return load_rgb(os.path.join(self.root, self.coco.loadImgs(id)[0]["file_name"]))
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, Target]:
         image_id = self.ids[index]

@@ -21,6 +21,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from kfac_bench.data.base import DataSplits
+from kfac_bench.data.images import load_rgb
 from kfac_bench.data.synthetic import SyntheticImages, class_colour_images
 from kfac_bench.data.transforms import imagenet_transform
 from kfac_bench.errors import DatasetError
@@ -146,7 +147,8 @@ def imagenet_split(
         )
     transform = imagenet_transform(train, augment, image_size, resize_size)
     try:
-        return ImageFolder(str(split), transform=transform)
+        # load_rgb: a truncated or corrupt JPEG is one line naming the file (kfac_bench.data.images).
+        return ImageFolder(str(split), transform=transform, loader=load_rgb)
     except FileNotFoundError as exc:  # a class folder without any image file
         raise DatasetError(split, f"{EXPECTED_LAYOUT}; {exc}", HOW_TO_GET) from exc
 

@@ -19,7 +19,13 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from kfac_bench.data.base import DataSplits
 
-__all__ = ["ResumableSampler", "ShardSampler", "build_loaders", "ignore_stop_signals"]
+__all__ = [
+    "ResumableSampler",
+    "ShardSampler",
+    "build_loaders",
+    "ignore_stop_signals",
+    "shutdown_workers",
+]
 
 #: Signals that stop a run cleanly in its main process (:mod:`kfac_bench.train.signals`).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
@@ -35,6 +41,22 @@ def ignore_stop_signals(worker_id: int) -> None:
     """
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+def shutdown_workers(*loaders: Any) -> None:
+    """End the persistent workers of ``loaders`` now, as a loader does when it is garbage-collected.
+
+    Call it when a run ends, however it ends: after an exception (e.g. a worker's one-line
+    :class:`~kfac_bench.data.images.ImageReadError`), the traceback keeps the loaders alive until the
+    interpreter exits, where ``multiprocessing`` would SIGTERM the workers (which ignore it, see
+    :func:`ignore_stop_signals`) and then wait for them forever.
+    """
+    for loader in loaders:
+        iterator = getattr(loader, "_iterator", None)  # DataLoader's persistent-workers iterator
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+            loader._iterator = None
 
 
 class ResumableSampler(DistributedSampler):

@@ -18,9 +18,12 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from kfac_bench.errors import ConfigError
 
-__all__ = ["PREFIX", "PlanConfig", "parse_plan_config", "split_overrides"]
+__all__ = ["MAX_WORLD_SIZE", "PREFIX", "PlanConfig", "parse_plan_config", "split_overrides"]
 
 PREFIX = "plan."
+#: The largest world size the planner takes: it evaluates every rank of every row, so its time and memory
+#: grow with the world size (seconds at this size; a billion ranks would need tens of GB).
+MAX_WORLD_SIZE = 16384
 
 
 @dataclass
@@ -28,7 +31,7 @@ class PlanConfig:
     """What to plan and where to write it.
 
     Attributes:
-        world_sizes: numbers of ranks (GPUs) to plan for.
+        world_sizes: numbers of ranks (GPUs) to plan for, 1 to :data:`MAX_WORLD_SIZE`.
         fractions: ``grad_worker_fraction`` values to plan (numbers or ``comm_opt``/``hybrid_opt``/
             ``mem_opt``); None: every fraction that splits each world size into equal groups (KAISA §3.1).
         out: folder for ``plan.json`` and ``plan.png``.
@@ -56,6 +59,13 @@ class PlanConfig:
         bad = [n for n in self.world_sizes if n < 1]
         if bad:
             raise ConfigError(f"plan.world_sizes={bad} must be >= 1")
+        huge = [n for n in self.world_sizes if n > MAX_WORLD_SIZE]
+        if huge:
+            raise ConfigError(
+                f"plan.world_sizes={huge} is more than the planner's maximum of {MAX_WORLD_SIZE} ranks "
+                f"(its cost grows with the world size); plan at most {MAX_WORLD_SIZE}, "
+                f"e.g. plan.world_sizes=[1024,{MAX_WORLD_SIZE}]"
+            )
         if self.fractions is not None and not self.fractions:
             raise ConfigError("plan.fractions is empty: leave it out to plan every valid fraction")
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:

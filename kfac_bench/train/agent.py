@@ -12,6 +12,8 @@ with these differences:
   ``preempted`` marker (:mod:`kfac_bench.train.rundir`); the agent returns :data:`EXIT_REQUEUE` exactly when
   the marker is there.
 * A rank's one-line user error (exit 2 on every rank) stays exit 2.
+* The ranks die with this process: a SIGKILL of the agent (which releases the run directory's lock) kills
+  them too, so none trains on unsupervised beside a second run (:mod:`kfac_bench.train.lifeline`).
 
 ``launcher=torchrun`` calls :func:`run_torchrun` in the Hydra job's process; ``launch/slurm.sbatch`` and
 ``launch/torchrun_multinode.sh`` start this module on every node, which first checks the config (bounds,
@@ -31,6 +33,7 @@ from pathlib import Path
 
 from kfac_bench.errors import UserError
 from kfac_bench.train import rundir
+from kfac_bench.train.lifeline import AGENT_PID_ENV
 from kfac_bench.train.signals import EXIT_REQUEUE, PreemptionFlag
 
 __all__ = [
@@ -116,8 +119,9 @@ def run_torchrun(args: Sequence[str], run_dir: Path) -> int:
     rundir.clear_preempted(run_dir)  # a marker from an earlier attempt must not requeue this one
     forward = _Forwarder()
     flag = PreemptionFlag(forward=forward).install()
-    saved = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    saved = {key: os.environ.get(key) for key in ("TORCHELASTIC_SIGNALS_TO_HANDLE", AGENT_PID_ENV)}
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = _AGENT_SIGNALS
+    os.environ[AGENT_PID_ENV] = str(os.getpid())  # the ranks die with this process
     try:
         torchrun_main(list(args))
         status = 0
@@ -129,10 +133,11 @@ def run_torchrun(args: Sequence[str], run_dir: Path) -> int:
     finally:
         forward.stop()
         flag.restore()
-        if saved is None:
-            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
-        else:
-            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = saved
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     if rundir.was_preempted(run_dir):
         status = EXIT_REQUEUE
         flag.hand_back()
@@ -144,8 +149,32 @@ def run_dir_of(args: Sequence[str]) -> Path | None:
     found = None
     for arg in args:
         if arg.startswith("hydra.run.dir="):
-            found = Path(arg.split("=", 1)[1]).resolve()
+            found = Path(_override_value(arg)).resolve()
     return found
+
+
+def _override_value(arg: str) -> str:
+    """The value of override ``arg`` as Hydra reads it (quoted or not), OmegaConf's escapes undone.
+
+    Raises:
+        UserError: Hydra cannot parse it (a path with spaces, ``,`` or ``=`` must be quoted).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    key, _, raw = arg.partition("=")
+    try:
+        value = OverridesParser.create().parse_override(arg).value()
+        if isinstance(value, str):
+            return str(OmegaConf.create({"v": value}).v)
+    except (HydraException, OmegaConfBaseException, ValueError):
+        pass
+    raise UserError(
+        f"{key}={raw} is not one path in Hydra's override syntax; quote it: "
+        f"`python -m kfac_bench.train.launch DIR` prints {key}='DIR' with the quoting it needs"
+    )
 
 
 def _train_overrides(args: Sequence[str]) -> list[str]:

@@ -9,14 +9,18 @@ checkpoint. Preemption signals reach the ranks through :mod:`kfac_bench.train.ag
 from __future__ import annotations
 
 import os
+import re
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 __all__ = [
     "JOB_ENV_KEYS",
+    "hydra_quote",
     "inside_launched_worker",
     "launch_torchrun",
     "outside_job_env",
+    "run_dir_override",
     "torchrun_args",
 ]
 
@@ -28,6 +32,7 @@ JOB_ENV_KEYS = (
     "TORCHELASTIC_RUN_ID",
     "SLURM_NTASKS",
     "SLURM_PROCID",
+    "KFAC_BENCH_AGENT_PID",  # kfac_bench.train.lifeline.AGENT_PID_ENV
 )
 
 
@@ -44,6 +49,23 @@ def outside_job_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     for key in JOB_ENV_KEYS:
         out.pop(key, None)
     return out
+
+
+def hydra_quote(value: str) -> str:
+    """``value`` as a single-quoted value of Hydra's override grammar that Hydra and OmegaConf read back
+    as exactly ``value``: spaces, ``,``, ``=``, brackets, quotes, non-ASCII and ``${`` included (unquoted,
+    a path such as ``runs/x y,z`` is a lexer error or a sweep)."""
+    # OmegaConf: an interpolation opener is escaped with a backslash, and backslashes before it doubled.
+    value = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
+    # Hydra: a backslash is literal, except in a run before a quote or the closing quote: doubled there.
+    value = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value)
+    return "'" + value.replace("'", "\\'") + "'"
+
+
+def run_dir_override(run_dir: str | Path) -> str:
+    """The ``hydra.run.dir=`` override naming ``run_dir`` exactly (:func:`hydra_quote`). The launch scripts
+    build theirs with ``python -m kfac_bench.train.launch DIR``."""
+    return f"hydra.run.dir={hydra_quote(str(run_dir))}"
 
 
 def torchrun_args(
@@ -63,7 +85,7 @@ def torchrun_args(
         "kfac_bench.cli",
         "train",
         *overrides,
-        f"hydra.run.dir={Path(run_dir).resolve()}",
+        run_dir_override(Path(run_dir).resolve()),
         # The parent already saved the job's config; ranks must not write the same files at once.
         "hydra.output_subdir=null",
     ]
@@ -83,3 +105,11 @@ def launch_torchrun(
 
     args = torchrun_args(overrides, run_dir, nproc_per_node, max_restarts, monitor_interval)
     return run_torchrun(args, Path(run_dir).resolve())
+
+
+if __name__ == "__main__":
+    # ``python -m kfac_bench.train.launch DIR``: print the hydra.run.dir override for DIR (launch/*.s*).
+    if len(sys.argv) != 2:
+        print("usage: python -m kfac_bench.train.launch RUN_DIR", file=sys.stderr)
+        sys.exit(2)
+    print(run_dir_override(sys.argv[1]))

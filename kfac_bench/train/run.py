@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from kfac_bench.data.loader import shutdown_workers
 from kfac_bench.errors import UserError
 from kfac_bench.metrics import summary
 from kfac_bench.train import distributed, elastic, rundir, warm_start
@@ -143,6 +144,7 @@ def _train(
     try:
         status = run_loop(loop)
     finally:
+        shutdown_workers(loop.train_loader, loop.eval_loader)  # else an error would hang at exit
         run.recorder.close(status)
     state.wall.stop()
 

@@ -85,11 +85,11 @@ def test_chain_submits_three_dependent_jobs(
     assert a1 == [f"+recipe={recipes[0]}"]
     assert a2 == [
         f"+recipe={recipes[1]}",
-        f"model.init_checkpoint={folder}/phase1/checkpoints/last.pt",
+        f"model.init_checkpoint='{folder}/phase1/checkpoints/last.pt'",
     ]
     assert a3 == [
         "+recipe=bert_large_squad",
-        f"model.init_checkpoint={folder}/phase2/checkpoints/last.pt",
+        f"model.init_checkpoint='{folder}/phase2/checkpoints/last.pt'",
     ]
     # What each job hands to `kfac-bench train` composes, and K-FAC is on exactly where the arm says.
     kfac = [compose_run(args).kfac.enabled for args in (a1, a2, a3)]

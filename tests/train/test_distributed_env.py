@@ -58,7 +58,7 @@ def test_launcher_detects_workers_and_builds_torchrun_arguments(tmp_path) -> Non
     )
     assert "--nproc-per-node=2" in args and "--max-restarts=3" in args
     assert args[args.index("-m") + 1 : args.index("-m") + 3] == ["kfac_bench.cli", "train"]
-    assert f"hydra.run.dir={tmp_path.resolve()}" in args and "kfac=none" in args
+    assert f"hydra.run.dir='{tmp_path.resolve()}'" in args and "kfac=none" in args
 
 
 def test_a_child_started_outside_the_job_is_not_taken_for_one_of_its_ranks() -> None:

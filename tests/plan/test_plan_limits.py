@@ -1,0 +1,31 @@
+"""The planner's work is bounded: a world size above its documented maximum is one line and status 2 at
+config time, before any model is built (a billion ranks once grew to 15 GB and was OOM-killed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kfac_bench.cli import main
+from kfac_bench.errors import ConfigError
+from kfac_bench.plan.config import MAX_WORLD_SIZE, parse_plan_config
+
+
+@pytest.mark.parametrize("sizes", ["[1000000000]", f"[8,{MAX_WORLD_SIZE + 1}]"])
+def test_a_world_size_above_the_maximum_is_one_line_and_status_2(
+    sizes: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    status = main(["plan", f"plan.out={tmp_path}", f"plan.world_sizes={sizes}"])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kfac-bench: error: plan.world_sizes=")
+    assert f"maximum of {MAX_WORLD_SIZE} ranks" in lines[0]
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_the_maximum_itself_is_accepted() -> None:
+    assert parse_plan_config([f"world_sizes=[{MAX_WORLD_SIZE}]"]).world_sizes == [MAX_WORLD_SIZE]
+    with pytest.raises(ConfigError):
+        parse_plan_config([f"world_sizes=[{MAX_WORLD_SIZE + 1}]"])
