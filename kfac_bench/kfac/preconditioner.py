@@ -154,6 +154,7 @@ class KFACPreconditioner:
         self.placement = Placement.parse(placement)
         self.factor_reduction = FactorReduction.parse(factor_reduction)
         self.steps = 0
+        self._removed = False
         self.factor_dtype, self.inv_dtype = resolve_dtypes(model, factor_dtype, inv_dtype)
         self.method = second_order_method(
             self.compute_method,
@@ -234,8 +235,13 @@ class KFACPreconditioner:
             (backward passes).
 
         Raises:
-            RuntimeError: no backward pass has reached the K-FAC layers yet.
+            RuntimeError: no backward pass has reached the K-FAC layers yet, or after :meth:`remove`.
         """
+        if self._removed:
+            raise RuntimeError(
+                "K-FAC step() after remove(): the preconditioner is detached; drop the precond.step() call "
+                "or build a new KFACPreconditioner"
+            )
         step = self.steps
         if self.capture.collecting:
             self._check_micro_batches()
@@ -390,8 +396,10 @@ class KFACPreconditioner:
         return self._scan.coverage(self.coverage_threshold, not_ready)
 
     def remove(self) -> None:
-        """Detach every hook: the model trains as if the preconditioner had never been attached."""
+        """Detach every hook: the model trains as if the preconditioner had never been attached
+        (``step()`` raises from now on)."""
         self.capture.remove()
+        self._removed = True
 
     def state_dict(self, include_decompositions: bool = False) -> dict[str, Any]:
         """Steps, constant hyperparameters and every layer's running factors (gathered from their owners).
