@@ -89,7 +89,8 @@ class KFACPreconditioner:
             tensor or pipeline parallelism, or a group of one rank to stay local inside a distributed job.
             Every member must construct its preconditioner with the same group.
         coverage_threshold: warn once at construction if the layers preconditioned hold less than this share
-            of the parameters a K-FAC layer type could hold (see :meth:`coverage`).
+            of the parameters a K-FAC layer type could hold (see :meth:`coverage`), and once more after a
+            decomposition step if the layers that actually ran hold less.
         factor_batch_fraction: share of each micro-batch's examples the factor statistics are computed
             from, in (0, 1]; 1 (default) is exact, less is an opt-in approximation whose noise the running
             average absorbs, for a factor stage about that much cheaper (:mod:`kfac_bench.kfac.subsample`).
