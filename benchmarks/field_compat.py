@@ -34,7 +34,7 @@ D = torch.float64
 Batch = Any
 
 
-# ------------------------------------------------------------------ models: (model, batches, loss, ckpt switch)
+# ------------------------------------------------------------------ models
 def _vision_batches(n: int = 2, size: int = 32) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     return [
