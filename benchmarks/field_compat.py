@@ -1,11 +1,12 @@
 """K-FAC on third-party model code: which layers are exact under which training pattern (README table).
 
-Run: ``python -m benchmarks.field_compat [--json PATH]`` (CPU, float64, a few minutes). Each model is a tiny
+Run: ``python -m benchmarks.field_compat [--json PATH]`` (CPU, float64, minutes). Each model is a tiny
 configuration of a torchvision / Hugging Face / timm family (same layer types and forward code as the full
 size, random weights, dropout and stochastic depth off). ResNets are left to the recipe tests: their 4609²
-factors make a float64 eigendecomposition per pattern too slow for this table. For each pattern the factors
-after one factor step (``factor_decay=0``, two accumulated micro-batches) are compared with those of the
-plain eager run of the same model and batches; the plain run itself is what ``tests/kfac`` checks against dense float64 factors.
+factors make a float64 eigendecomposition per pattern too slow for this table. For each pattern the
+factors after one factor step (``factor_decay=0``, two accumulated micro-batches) are compared with those
+of the plain eager run of the same model and batches; the plain run itself is what ``tests/kfac`` checks
+against dense float64 factors.
 
 A cell is ``exact`` when every layer preconditioned in the plain run has factors within 1e-9 (relative,
 Frobenius) of the plain run's, else it names the largest difference, and it lists layers left out (with the
