@@ -89,7 +89,7 @@ def _tv_convnext() -> nn.Module:
 def _tv_mobilenet_v3() -> nn.Module:
     import torchvision
 
-    return torchvision.models.mobilenet_v3_small(num_classes=10)
+    return torchvision.models.mobilenet_v3_small(num_classes=10, dropout=0.0)
 
 
 def _timm(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
@@ -187,6 +187,7 @@ def run(model: nn.Module, kind: str, pattern: str) -> KFACPreconditioner:
     p = KFACPreconditioner(
         model, factor_decay=0.0, kl_clip=None, accumulation_steps=2, coverage_threshold=0.0
     )
+    torch.manual_seed(0)  # the same random draws in every pattern
     forward = model
     if pattern == "compile":
         forward = torch.compile(model, backend="aot_eager")
@@ -231,6 +232,7 @@ def measure(names: list[str], patterns: tuple[str, ...]) -> dict[str, Any]:
         build, kind = MODELS[name]
         torch.manual_seed(0)
         base = build().to(D)
+        register_harness_layer_types()  # after the build: it registers the libraries already loaded
         plain = run(copy.deepcopy(base), kind, "plain")
         cov = plain.coverage()
         row: dict[str, Any] = {
