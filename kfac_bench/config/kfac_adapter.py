@@ -121,6 +121,7 @@ def kfac_kwargs(
         value = getattr(cfg, f.name)
         kwargs[f.name] = value.value if isinstance(value, Enum) else value
     kwargs["skip_layers"] = list(cfg.skip_layers)
+    kwargs["batch_dim"] = {str(k): int(v) for k, v in cfg.batch_dim.items()} or None
     kwargs["grad_worker_fraction"] = _grad_worker_fraction(cfg.grad_worker_fraction)
     for key in ("factor_dtype", "inv_dtype", "comm_dtype"):
         kwargs[key] = torch_dtype(kwargs[key], key)

@@ -16,9 +16,17 @@ Contract (what a training loop may do):
   of the layer) and outside a backward pass: validation in ``eval()`` mode, forwards under ``no_grad`` and
   the recomputation of non-reentrant activation checkpointing leave factors and counters untouched.
 * A forward whose output is not backpropagated before ``step()`` contributes nothing (not even to A).
+* Activation checkpointing: non-reentrant (``use_reentrant=False``) captures the original forward and skips
+  the recomputation; reentrant (``use_reentrant=True``) runs the original forward without gradients, so the
+  recomputed forward (inside the backward pass, backpropagated in a nested pass) is the one captured, and
+  the micro-batch is still the outer backward pass. Factors are the same as without checkpointing.
+* Two backward passes through one graph (``backward(retain_graph=True)`` then ``backward()``) while factors
+  are due raise: ``.grad`` would hold the sum of both gradients and G only the first one's.
+* A copy of the model (``copy.deepcopy``) carries the hooks but does not feed this preconditioner.
 * Not supported: ``torch.autograd.grad`` through registered layers while factors are due (it is taken for a
-  backward pass), and reentrant activation checkpointing (layers inside it get no factors and keep plain
-  gradients, see ``coverage()``).
+  backward pass).
+* A layer's input is its first positional argument or its ``input`` keyword; its examples lie along
+  ``batch_dim`` (0, or 1 for sequence-first layers, see ``KFACPreconditioner(batch_dim=...)``).
 
 Every factor is computed outside autocast, from the input upcast to the factor dtype, so AMP neither lowers
 its precision nor lets its sums overflow; with a loss scaler G is divided by the scale squared (exact for the
@@ -95,7 +103,7 @@ class Capture:
         self._task = -2  # graph task whose end-of-backward callback is queued
         self._touched: list[LayerState] = []
         for layer in layers.values():
-            layer.handles.append(layer.module.register_forward_hook(self._forward_hook(layer)))
+            self.attach(layer)
 
     def start_step(self, collect: bool) -> None:
         """A new optimizer step begins; ``collect``: whether its factors are due. Calls whose output was
@@ -112,65 +120,110 @@ class Capture:
             layer.remove_hooks()
         self.collecting = False
 
+    def attach(self, layer: LayerState) -> None:
+        """Hook ``layer``'s module (keyword inputs included: ``m(input=x)``)."""
+        hook = self._forward_hook(layer)
+        layer.handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
+
     def _forward_hook(self, layer: LayerState) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        def hook(
+            module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+        ) -> None:
+            # ``copy.deepcopy(model)`` copies the hook dicts with this very closure: a copy's module is
+            # not the registered one and must not feed this preconditioner's factors.
+            if module is not layer.module:
+                return
             if not (
                 self.collecting
                 and module.training
                 and torch.is_grad_enabled()
                 and isinstance(output, torch.Tensor)
                 and output.grad_fn is not None
-                and _graph_task_id() == -1
             ):
                 return
-            x = args[0].detach()
+            task = _graph_task_id()
+            if task != -1 and _recomputing_nonreentrant():
+                return  # the original forward was captured; this recomputation is never backpropagated
+            x = _layer_input(args, kwargs)
+            if x is None:
+                return
+            x = x.detach()
+            if layer.batch_dim:
+                x = x.movedim(layer.batch_dim, 0)
             rows = None
             if self.subset is not None:
                 rows = self.subset.rows(x, self.backwards, layer.handler.spatial)
                 x = x if rows is None else x.index_select(0, rows)
-            with self.timer("factor", sync=False), _no_autocast(x.device.type):
-                call = Call(
-                    layer.handler.a_gram(module, x, self.factor_dtype, layer.bias), rows=rows
-                )
+            with self.timer("factor", sync=False), _no_autocast(x.device.type), _named(layer, "A"):
+                a = layer.handler.a_gram(module, x, self.factor_dtype, layer.bias)
+            _check_shape(layer, "A", a.sum, layer.a_dim)
+            call = Call(a, rows=rows)
             layer.calls.append(call)
-            # A prehook on the node that produced the output sees dL/d(output) even when the output
-            # is later modified in place (e.g. an inplace ReLU), unlike a tensor hook. It refers to the
-            # call weakly: the graph (and its hooks) outlives the backward pass while the loss is alive,
-            # and must not keep the call's input gram alive after it is folded in or dropped.
-            output.grad_fn.register_prehook(
-                self._grad_hook(layer, weakref.ref(call), output.output_nr)
-            )
+            if task != -1:
+                # Reentrant activation checkpointing recomputes the forward inside the outer backward pass
+                # and backpropagates it in a nested one: the micro-batch is the outer pass.
+                call.nested = True
+                self._enter_backward()
+            node, index, shape = _grad_node(output)
+            # A prehook on the node that produced the output sees dL/d(output) even when the output is
+            # later modified in place (e.g. an inplace ReLU), unlike a tensor hook. The output of a Linear on
+            # a >= 3-D input is a view of the (N·T, out) product, and an in-place op on a view takes the
+            # view's node out of the graph: hook the base's node then (same numbers, reshaped). The hook
+            # refers to the call weakly: the graph (and its hooks) outlives the backward pass while the
+            # loss is alive, and must not keep the call's input gram alive after it is folded in or dropped.
+            node.register_prehook(self._grad_hook(layer, weakref.ref(call), index, shape))
 
         return hook
 
     def _grad_hook(
-        self, layer: LayerState, ref: weakref.ref[Call], index: int
+        self, layer: LayerState, ref: weakref.ref[Call], index: int, shape: torch.Size | None
     ) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
+        first_task: list[int] = []  # the backward pass that delivered this call's gradient
+
         def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+            task = _graph_task_id()
+            if first_task and first_task[0] != task and self.collecting:
+                raise RuntimeError(
+                    f"K-FAC layer '{layer.name}': a second backward pass through the same graph "
+                    "(backward(retain_graph=True), then backward again): .grad holds the sum of both "
+                    "gradients but G only the first one's; add the losses and call backward() once"
+                )
+            first_task[:] = [task]
             call = ref()
-            # Gone or done: dropped by start_step(), or a second backward through a retained graph.
+            # Gone or done: dropped by start_step().
             if call is None or call.done or call not in layer.calls:
                 return
             call.done = True
             layer.calls.remove(call)
-            self._enter_backward()
+            if not call.nested:
+                self._enter_backward()
             g = grad_outputs[index]
             if g is not None:
                 g = g.detach()
+                if shape is not None:
+                    g = g.reshape(shape)
+                if layer.batch_dim:
+                    g = g.movedim(layer.batch_dim, 0)
                 weight = 1.0
                 if call.rows is not None and self.subset is not None and g.shape[0] > 1:
                     weight = self.subset.g_weight(g.shape[0], call.rows.numel())
                     g = g.index_select(0, call.rows)
-                with self.timer("factor", sync=False), _no_autocast(g.device.type):
+                with (
+                    self.timer("factor", sync=False),
+                    _no_autocast(g.device.type),
+                    _named(layer, "G"),
+                ):
                     gram = layer.handler.g_gram(layer.module, g, self.factor_dtype)
                     scale = self._loss_scale()
                     if scale is not None:
                         gram = gram._replace(sum=gram.sum / scale**2)
                     if weight != 1.0:
                         gram = gram._replace(sum=gram.sum.mul_(weight))
+                _check_shape(layer, "G", gram.sum, layer.g_dim)
                 if not layer.group:
                     self._touched.append(layer)
                 layer.group.append((call.a, gram))
+                layer.received = True
             if not layer.calls and layer.group:
                 self._close(layer)
                 if self.backwards == self.accumulation_steps - 1:
@@ -214,3 +267,70 @@ class Capture:
             scale_async = getattr(s, "_get_scale_async", None)
             return scale_async() if scale_async is not None else float(s.get_scale())
         return s()
+
+
+def _recomputing_nonreentrant() -> bool:
+    """Whether this forward is non-reentrant activation checkpointing's recomputation (it runs under the
+    checkpoint's own saved-tensor hooks); any other forward inside a backward pass with gradients enabled is
+    reentrant checkpointing's (``use_reentrant=True``), whose output is what that backward differentiates."""
+    try:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, TypeError, RuntimeError):  # pragma: no cover - other torch versions
+        return True
+    if hooks is None:
+        return False
+    pack = hooks[0]
+    return bool(getattr(pack, "_checkpoint_internal", False)) or "_recomputation_hook" in getattr(
+        pack, "__qualname__", ""
+    )
+
+
+def _layer_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The layer's input: its first positional argument, else its ``input`` keyword (or first tensor)."""
+    if args:
+        x = args[0]
+    else:
+        x = kwargs.get(
+            "input", next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+        )
+    return x if isinstance(x, torch.Tensor) else None
+
+
+def _grad_node(output: torch.Tensor) -> tuple[Any, int, torch.Size | None]:
+    """The autograd node (and its output index) whose incoming gradient is dL/d(output), and the shape to
+    reshape it to when that node is the view base's: a view covering its whole base in the same order (the
+    ``(N, T, out)`` view of ``F.linear``'s ``(N·T, out)`` product) has the same gradient, and its base's node
+    stays in the graph when the view is later modified in place."""
+    base = output._base if output._is_view() else None
+    if (
+        base is not None
+        and base.grad_fn is not None
+        and base.numel() == output.numel()
+        and base.is_contiguous()
+        and output.is_contiguous()
+        and base.storage_offset() == output.storage_offset()
+    ):
+        return base.grad_fn, base.output_nr, output.shape
+    return output.grad_fn, output.output_nr, None
+
+
+@contextlib.contextmanager
+def _named(layer: LayerState, factor: str) -> Iterator[None]:
+    """Re-raise a handler's failure with the layer's name (a bare shape error names no layer)."""
+    try:
+        yield
+    except Exception as err:
+        raise RuntimeError(
+            f"K-FAC layer '{layer.name}' ({type(layer.module).__name__}): computing its {factor} factor "
+            f"failed ({type(err).__name__}: {err}); register a handler for its type or skip it with "
+            f"skip_layers"
+        ) from err
+
+
+def _check_shape(layer: LayerState, factor: str, gram: torch.Tensor, dim: int) -> None:
+    if gram.shape != (dim, dim):
+        raise RuntimeError(
+            f"K-FAC layer '{layer.name}' ({type(layer.module).__name__}): its {factor} factor is "
+            f"{tuple(gram.shape)}, expected ({dim}, {dim}) from its parameters (its forward does not "
+            f"compute what its handler models); register a handler for its type or skip it with skip_layers"
+        )

@@ -4,18 +4,24 @@ Reasons a module is left out (keys of :attr:`Coverage.left_out`):
 
 ``skipped_by_rule``      matched ``skip_layers``
 ``unsupported_type``     holds a weight matrix or kernel, but no handler is registered for its type
+``subclass_own_forward`` a subclass of a registered type that overrides ``forward`` (timm's ``Conv2dSame``,
+                         ``StdConv2d``): its base's handler would model another computation; register one
 ``grouped_conv``         a grouped or depthwise ``Conv2d`` (its Fisher block is not modelled)
 ``used_functionally``    its weight is read by its parent's forward, so its hooks never see it run (the
-                         ``out_proj`` of ``nn.MultiheadAttention``)
+                         ``out_proj`` of ``nn.MultiheadAttention``, torchvision Swin's ``qkv``/``proj``);
+                         known from the module tree, or found at run time: its weight had a gradient at a
+                         decomposition step but its hooks saw no call
 ``tied``                 its weight (or bias) is also held by another module (e.g. a decoder tied to the
                          token embedding): preconditioning it would rewrite a gradient that carries both
                          modules' contributions
 ``unsupported_config``   a handler rejected it or failed on it (e.g. a parametrized or non-float weight)
-``did_not_run``          registered, but had no factors at the last decomposition step (never ran, or not yet)
+``did_not_run``          registered, but had no factors at the last decomposition step (never ran, or not yet;
+                         e.g. every call under ``no_grad``)
 ``decomposition_failed`` registered, but its first decomposition failed even in float64 (plain gradient
                          until one succeeds)
 
-The last two are known only once training ran; before that a registered layer counts as preconditioned.
+Run-time findings (``did_not_run``, ``decomposition_failed``, ``used_functionally`` found at run time) are
+known only once training ran; before that a registered layer counts as preconditioned.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any
 REASONS = (
     "skipped_by_rule",
     "unsupported_type",
+    "subclass_own_forward",
     "grouped_conv",
     "used_functionally",
     "tied",
@@ -98,12 +105,17 @@ class Coverage:
             names = self.left_out.get(reason, ())
             if not names:
                 continue
-            listed = ", ".join(names[:3]) + (f", +{len(names) - 3} more" if len(names) > 3 else "")
+            shown = [n or "(root)" for n in names[:3]]  # the root module's name is empty
+            listed = ", ".join(shown) + (f", +{len(names) - 3} more" if len(names) > 3 else "")
             if reason == "unsupported_type":
                 types = ", ".join(f"{t}×{n}" for t, n in self.unsupported_types.items())
                 listed = f"{types}: {listed}"
-            parts.append(f"{reason.replace('_', ' ')} {len(names)} ({listed})")
+            label = _LABELS.get(reason, reason.replace("_", " "))
+            parts.append(f"{label} {len(names)} ({listed})")
         return head + ("; left out: " + "; ".join(parts) if parts else "")
+
+
+_LABELS = {"subclass_own_forward": "subclass with its own forward — register a handler"}
 
 
 def _count(n: int) -> str:

@@ -13,7 +13,8 @@ once), :mod:`.assignment` and :mod:`.comm` (where work runs and what is sent), :
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +27,8 @@ from .capture import Capture
 from .comm import Communicator, factor_entries
 from .coverage import Coverage
 from .curvature import Curvature
-from .log import WarnOnce
+from .layers import handler_for
+from .log import WarnOnce, logger
 from .options import (
     AssignmentStrategy,
     ComputeMethod,
@@ -36,7 +38,7 @@ from .options import (
     Placement,
     parse_grad_worker_fraction,
 )
-from .registration import log_scan, scan_model
+from .registration import LayerSpec, ModelScan, log_scan, scan_model
 from .schedules import Scheduled, is_due, resolve
 from .second_order import second_order_method
 from .state import LayerState, memory_by_category
@@ -87,10 +89,16 @@ class KFACPreconditioner:
             tensor or pipeline parallelism, or a group of one rank to stay local inside a distributed job.
             Every member must construct its preconditioner with the same group.
         coverage_threshold: warn once at construction if the layers preconditioned hold less than this share
-            of the parameters a K-FAC layer type could hold (see :meth:`coverage`).
+            of the parameters a K-FAC layer type could hold (see :meth:`coverage`), and once more after a
+            decomposition step if the layers that actually ran hold less.
         factor_batch_fraction: share of each micro-batch's examples the factor statistics are computed
             from, in (0, 1]; 1 (default) is exact, less is an opt-in approximation whose noise the running
             average absorbs, for a factor stage about that much cheaper (:mod:`kfac_bench.kfac.subsample`).
+        batch_dim: the dimension of the examples in the layers' inputs and outputs, used by
+            ``factor_scaling='per_example'`` to count examples and positions: an int for every layer, or a
+            dict of regexes (``re.search`` on the qualified name) -> dim; layers it does not set keep the
+            detected one: 1 for the Linear layers of a sequence-first (``batch_first=False``)
+            ``nn.TransformerEncoderLayer``/``DecoderLayer``, else 0. Convolutions take 0 only.
 
     Note:
         What the hooks count and when (one micro-batch = one backward pass; eval-mode forwards ignored; AMP)
@@ -100,6 +108,12 @@ class KFACPreconditioner:
         used functionally and weights tied to another module (one log line names them), with frozen biases
         left out of the block. A layer that has no factors yet, or whose first decomposition failed even in
         float64, keeps its plain gradient and is checked again at every decomposition step.
+
+        ``requires_grad`` is read at every ``step()``: a layer frozen (weight or bias) since the last step
+        keeps its plain gradient in that step, and the layers are registered again at its end (a layer
+        unfrozen later joins, with new factors; freeze the same layers on every rank). After the first
+        decomposition step the coverage is checked against what actually ran (:meth:`coverage`), and
+        ``coverage_threshold`` is checked again then.
     """
 
     def __init__(
@@ -132,6 +146,7 @@ class KFACPreconditioner:
         process_group: dist.ProcessGroup | None = None,
         coverage_threshold: float = 0.5,
         factor_batch_fraction: float = 1.0,
+        batch_dim: int | Mapping[str, int] | None = None,
     ) -> None:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
@@ -154,6 +169,7 @@ class KFACPreconditioner:
         self.placement = Placement.parse(placement)
         self.factor_reduction = FactorReduction.parse(factor_reduction)
         self.steps = 0
+        self._removed = False
         self.factor_dtype, self.inv_dtype = resolve_dtypes(model, factor_dtype, inv_dtype)
         self.method = second_order_method(
             self.compute_method,
@@ -163,11 +179,12 @@ class KFACPreconditioner:
         self.timer = StageTimer(track_stage_times)
         self._warn = WarnOnce()
         self.coverage_threshold = coverage_threshold
+        self.batch_dim = batch_dim
         self._scan = scan_model(model, skip_layers)
         self.layers: dict[str, LayerState] = {
-            s.name: LayerState(s.name, s.module, s.handler, s.a_dim, s.g_dim, s.bias)
-            for s in self._scan.layers
+            s.name: self._layer_state(s) for s in self._scan.layers
         }
+        self._trainable = self._trainable_now()
         self.comm = Communicator(
             {}, allreduce_bucket_cap_mb, symmetry_aware, comm_dtype, group=process_group
         )
@@ -234,18 +251,28 @@ class KFACPreconditioner:
             (backward passes).
 
         Raises:
-            RuntimeError: no backward pass has reached the K-FAC layers yet.
+            RuntimeError: no backward pass has reached the K-FAC layers yet, or after :meth:`remove`.
         """
+        if self._removed:
+            raise RuntimeError(
+                "K-FAC step() after remove(): the preconditioner is detached; drop the precond.step() call "
+                "or build a new KFACPreconditioner"
+            )
         step = self.steps
+        trainable = self._trainable_now()
+        stale = {n for n in self.layers if trainable.get(n) != self._trainable.get(n)}
         if self.capture.collecting:
             self._check_micro_batches()
         if is_due(self.factor_update_steps, step):
             self.curvature.update_factors(resolve(self.factor_decay, step))
         if is_due(self.inv_update_steps, step):
             self.curvature.update_second_order(resolve(self.damping, step))
-        raw = self._layer_gradients()
+            self._check_runtime_coverage()
+        raw = self._layer_gradients(skip=stale)
         grads = self._precondition(raw, resolve(self.damping, step))
         self._scale_and_write(grads, raw, step)
+        if trainable != self._trainable:
+            self._register_again(trainable)
         self.steps += 1
         self.capture.start_step(is_due(self.factor_update_steps, self.steps))
 
@@ -269,13 +296,20 @@ class KFACPreconditioner:
             )
 
     # ------------------------------------------------------------------ stage 3: precondition
-    def _layer_gradients(self) -> dict[str, torch.Tensor]:
-        """The ``[W b]`` gradient matrix of each ready layer with a gradient (the others stay plain)."""
+    def _layer_gradients(self, skip: set[str]) -> dict[str, torch.Tensor]:
+        """The ``[W b]`` gradient matrix of each ready layer with a gradient (the others, and ``skip``:
+        layers whose ``requires_grad`` changed, stay plain)."""
         out = {}
         for name, layer in self.layers.items():
-            if layer.ready:
+            if layer.ready and name not in skip:
                 grad = layer.handler.grad(layer.module, layer.bias)
                 if grad is not None:
+                    if grad.shape != (layer.g_dim, layer.a_dim):
+                        raise RuntimeError(
+                            f"K-FAC layer '{name}' ({type(layer.module).__name__}): its gradient matrix is "
+                            f"{tuple(grad.shape)}, its factors ({layer.g_dim}, {layer.a_dim}); were its "
+                            "parameters replaced after the preconditioner was built?"
+                        )
                     out[name] = grad
         return out
 
@@ -383,15 +417,112 @@ class KFACPreconditioner:
         """Which share of the model K-FAC preconditions and what it left out, by reason
         (:mod:`kfac_bench.kfac.coverage`). ``coverage().to_dict()`` is JSON-serialisable; ``str()`` is the
         one line logged at construction. Layers that are not ready after a decomposition step (did not
-        run; first decomposition failed) are reported as left out until they are."""
+        run; used functionally; first decomposition failed) are reported as left out until they are;
+        ``requires_grad`` is read now (a layer frozen or unfrozen since the last step is counted as it is
+        now: it is registered again at the end of the next ``step()``)."""
         not_ready = {
             n: s.not_ready_reason for n, s in self.layers.items() if s.not_ready_reason is not None
         }
-        return self._scan.coverage(self.coverage_threshold, not_ready)
+        scan = self._scan
+        if self._trainable_now() != self._trainable:
+            scan = scan_model(self.model, self.skip_layers)
+            not_ready = {n: r for n, r in not_ready.items() if n in {s.name for s in scan.layers}}
+        return scan.coverage(self.coverage_threshold, not_ready)
+
+    # ------------------------------------------------------------------ run-time registration
+    def _layer_state(self, spec: LayerSpec) -> LayerState:
+        batch_dim = spec.batch_dim
+        if isinstance(self.batch_dim, int):
+            batch_dim = self.batch_dim
+        elif self.batch_dim is not None:
+            batch_dim = next(
+                (d for p, d in self.batch_dim.items() if re.search(p, spec.name)), batch_dim
+            )
+        if batch_dim != 0 and spec.handler.spatial:
+            raise ValueError(
+                f"K-FAC layer '{spec.name}' ({spec.type}): batch_dim={batch_dim}, but a convolution's "
+                "examples are its input's dim 0; set batch_dim for its Linear layers only"
+            )
+        return LayerState(
+            spec.name,
+            spec.module,
+            spec.handler,
+            spec.a_dim,
+            spec.g_dim,
+            spec.bias,
+            batch_dim=batch_dim,
+        )
+
+    def _trainable_now(self) -> dict[str, tuple[bool, bool]]:
+        """``(weight, bias)`` ``requires_grad`` of every registered layer and of every layer left out
+        only for a frozen weight."""
+        out = {}
+        for name, layer in self.layers.items():
+            w, b = layer.handler.parameters(layer.module)
+            out[name] = (w.requires_grad, b is not None and b.requires_grad)
+        for name in self._scan.frozen:
+            w, b = self._scan_handler(name)
+            out[name] = (w.requires_grad, b is not None and b.requires_grad)
+        return out
+
+    def _scan_handler(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        module = self.model.get_submodule(name)
+        handler = handler_for(module)
+        assert handler is not None
+        return handler.parameters(module)
+
+    def _register_again(self, trainable: dict[str, tuple[bool, bool]]) -> None:
+        """Scan again after ``requires_grad`` changed: unchanged layers keep their state, changed ones start
+        afresh, new ones are hooked; then placement is recomputed (the same on every rank)."""
+        scan: ModelScan = scan_model(self.model, self.skip_layers)
+        old, new = dict(self.layers), {}
+        for spec in scan.layers:
+            layer = old.pop(spec.name, None)
+            if layer is None or trainable.get(spec.name) != self._trainable.get(spec.name):
+                if layer is not None:
+                    layer.remove_hooks()
+                layer = self._layer_state(spec)
+                self.capture.attach(layer)
+            new[spec.name] = layer
+        for layer in old.values():
+            layer.remove_hooks()
+        self.layers.clear()  # shared with capture and curvature
+        self.layers.update(new)
+        self._scan = scan
+        self._trainable = self._trainable_now()
+        self._plan()
+        if self.comm.rank == 0:
+            logger.info(
+                "K-FAC: requires_grad changed; layers registered again: %s",
+                self._scan.coverage(self.coverage_threshold),
+            )
+
+    def _check_runtime_coverage(self) -> None:
+        """After a decomposition step: a layer without factors whose weight has a gradient was used
+        functionally; warn once (rank 0) if what ran is under ``coverage_threshold``."""
+        if all(layer.ready for layer in self.layers.values()):
+            return
+        for layer in self.layers.values():
+            if layer.not_ready_reason == "did_not_run" and not layer.received:
+                weight, _ = layer.handler.parameters(layer.module)
+                if weight.grad is not None:
+                    layer.not_ready_reason = "used_functionally"
+        coverage = self.coverage()
+        if coverage.below_threshold and self.comm.rank == 0:
+            self._warn(
+                "runtime_coverage",
+                "K-FAC at run time covers only %.1f%% of the parameters in weight matrices/kernels "
+                "(threshold %.0f%%): %s",
+                100 * coverage.eligible_share,
+                100 * coverage.threshold,
+                coverage,
+            )
 
     def remove(self) -> None:
-        """Detach every hook: the model trains as if the preconditioner had never been attached."""
+        """Detach every hook: the model trains as if the preconditioner had never been attached
+        (``step()`` raises from now on)."""
         self.capture.remove()
+        self._removed = True
 
     def state_dict(self, include_decompositions: bool = False) -> dict[str, Any]:
         """Steps, constant hyperparameters and every layer's running factors (gathered from their owners).

@@ -17,12 +17,30 @@ import torch
 from torch import nn
 
 from .coverage import Coverage
-from .layers import LayerHandler, handler_for
+from .layers import LayerHandler, handler_for, overrides_forward
 from .log import logger
 
 #: Module types whose forward reads their child layers' weights directly (functionally), so the children's
 #: hooks never fire: ``F.multi_head_attention_forward`` uses ``out_proj.weight``.
 FUNCTIONAL_PARENTS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+
+#: The same for classes of other libraries, known by ``(module, class name)`` (the engine imports only
+#: torch) -> the children used functionally: torchvision's Swin attention (V1 and its V2 subclass) calls
+#: ``F.linear(x, self.qkv.weight, ...)`` and ``F.linear(x, self.proj.weight, ...)``. Layers used functionally
+#: that no rule knows are found at run time (their weight has a gradient, their hooks saw nothing).
+FUNCTIONAL_CHILDREN: dict[tuple[str, str], tuple[str, ...]] = {
+    ("torchvision.models.swin_transformer", "ShiftedWindowAttention"): ("qkv", "proj"),
+}
+
+#: Module types whose Linear children see sequence-first inputs ``(T, N, ...)`` unless ``batch_first``.
+SEQUENCE_FIRST_PARENTS: tuple[type[nn.Module], ...] = (
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+)
+
+#: The reason of a subclass of a registered type that overrides ``forward`` (``Coverage`` key
+#: ``subclass_own_forward``).
+OWN_FORWARD = "subclass with its own forward — register a handler"
 
 
 @dataclass(frozen=True)
@@ -36,6 +54,9 @@ class LayerSpec:
         g_dim: output-factor size (output features or channels).
         bias: whether the block includes the bias (the layer has one and it is trainable).
         params: trainable parameters the block covers.
+        batch_dim: the examples' dimension of its input and output (1 inside a sequence-first
+            ``nn.TransformerEncoderLayer``/``DecoderLayer``, else 0; ``KFACPreconditioner(batch_dim=...)``
+            overrides it).
     """
 
     name: str
@@ -46,6 +67,7 @@ class LayerSpec:
     params: int
     module: nn.Module = field(repr=False, compare=False)
     handler: LayerHandler = field(repr=False, compare=False)
+    batch_dim: int = 0
 
 
 @dataclass
@@ -60,6 +82,8 @@ class ModelScan:
     eligible_params: int
     #: Tied weights: each left-out layer -> the other modules holding its weight or bias.
     tied: dict[str, list[str]]
+    #: Layers of a registered type left out only because their weight is frozen (they join when unfrozen).
+    frozen: list[str] = field(default_factory=list)
 
     def coverage(self, threshold: float = 0.5, not_ready: dict[str, str] | None = None) -> Coverage:
         """The coverage report; ``not_ready`` (layer -> runtime reason) moves layers to ``left_out``."""
@@ -93,6 +117,7 @@ def scan_model(model: nn.Module, skip_layers: Sequence[str | re.Pattern[str]] = 
     modules = list(model.named_modules())
     holders: dict[int, list[str]] = {}  # parameter id -> modules holding it directly
     functional: set[str] = set()
+    sequence_first: set[str] = set()
     trainable = {id(p): p.numel() for _, m in modules for p in _own(m) if p.requires_grad}
     eligible: dict[int, int] = {}
     for name, module in modules:
@@ -101,14 +126,25 @@ def scan_model(model: nn.Module, skip_layers: Sequence[str | re.Pattern[str]] = 
             holders.setdefault(id(p), []).append(name)
         if any(p.requires_grad and p.dim() >= 2 for p in own):
             eligible.update((id(p), p.numel()) for p in own if p.requires_grad)
+        prefix = f"{name}." if name else ""
         if isinstance(module, FUNCTIONAL_PARENTS):
-            functional.update(
-                f"{name}.{child}" if name else child for child, _ in module.named_modules()
-            )
+            functional.update(prefix + child for child, _ in module.named_modules())
+        for cls in type(module).__mro__:
+            for child in FUNCTIONAL_CHILDREN.get((cls.__module__, cls.__name__), ()):
+                sub = getattr(module, child, None)
+                if isinstance(sub, nn.Module):
+                    functional.update(prefix + n for n, _ in sub.named_modules(prefix=child))
+        if isinstance(module, SEQUENCE_FIRST_PARENTS) and not _batch_first(module):
+            sequence_first.update(prefix + child for child, _ in module.named_modules())
     scan = ModelScan([], {}, {}, Counter(), sum(trainable.values()), sum(eligible.values()), {})
     for name, module in modules:
-        _classify(scan, name, module, rules, functional, holders)
+        _classify(scan, name, module, rules, functional, holders, sequence_first)
     return scan
+
+
+def _batch_first(module: nn.Module) -> bool:
+    attention = getattr(module, "self_attn", None)
+    return bool(getattr(attention, "batch_first", getattr(module, "batch_first", False)))
 
 
 def _classify(
@@ -118,11 +154,16 @@ def _classify(
     rules: list[re.Pattern[str]],
     functional: set[str],
     holders: dict[int, list[str]],
+    sequence_first: set[str],
 ) -> None:
     """Add ``module`` to the scan: as a layer, as left out with a reason, or not at all."""
     handler = handler_for(module)
     if handler is None:
         if any(p.requires_grad and p.dim() >= 2 for p in _own(module)):
+            if overrides_forward(module):
+                scan.left_out.setdefault("subclass_own_forward", []).append(name)
+                scan.details[name] = OWN_FORWARD
+                return
             scan.unsupported_types[type(module).__name__] += 1
             scan.left_out.setdefault("unsupported_type", []).append(name)
         return
@@ -132,6 +173,7 @@ def _classify(
     try:
         weight, bias = handler.parameters(module)
         if not weight.requires_grad:
+            scan.frozen.append(name)
             return  # frozen: nothing to precondition, and not a trainable parameter either
         reason = handler.unsupported_reason(module) or _weight_reason(weight)
         if reason is None and name in functional:
@@ -147,7 +189,15 @@ def _classify(
             a_dim, g_dim = handler.dims(module, use_bias)
             params = weight.numel() + (bias.numel() if use_bias and bias is not None else 0)
             spec = LayerSpec(
-                name, type(module).__name__, a_dim, g_dim, use_bias, params, module, handler
+                name,
+                type(module).__name__,
+                a_dim,
+                g_dim,
+                use_bias,
+                params,
+                module,
+                handler,
+                batch_dim=1 if name in sequence_first else 0,
             )
             scan.layers.append(spec)
             return

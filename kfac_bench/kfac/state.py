@@ -44,6 +44,8 @@ class Call:
     done: bool = False
     # The examples its factors use (``factor_batch_fraction`` < 1, see :mod:`.subsample`); None: all.
     rows: torch.Tensor | None = None
+    # Recomputed by reentrant activation checkpointing: its gradient arrives in a nested backward pass.
+    nested: bool = False
 
 
 @dataclass
@@ -56,6 +58,9 @@ class LayerState:
     a_dim: int
     g_dim: int
     bias: bool = False  # the block includes a (trainable) bias column
+    batch_dim: int = (
+        0  # the examples' dimension of the layer's input and output (1: sequence-first)
+    )
     work: LayerWork | None = None
     a_batch: Accumulator = field(default_factory=Accumulator)
     g_batch: Accumulator = field(default_factory=Accumulator)
@@ -73,6 +78,8 @@ class LayerState:
     # Device-side flag: a non-finite batch factor was skipped since the last check (no host sync to set).
     nonfinite: torch.Tensor | None = None
     handles: list[RemovableHandle] = field(default_factory=list)
+    # Whether an output gradient ever reached the layer's hooks (run-time coverage).
+    received: bool = False
 
     @property
     def a_decomp(self) -> Result | None:

@@ -1,10 +1,14 @@
 """Layer types of third-party model libraries that K-FAC can precondition, registered with the engine.
 
-The engine (``kfac_bench.kfac``) imports only torch, so it cannot know ``transformers``' classes; the harness
-registers them here, before building a preconditioner (``kfac_bench/config/kfac_adapter.py``).
+The engine (``kfac_bench.kfac``) imports only torch, so it cannot know ``transformers``' or ``timm``'s
+classes; the harness registers them here, before building a preconditioner
+(``kfac_bench/config/kfac_adapter.py``).
 
 * ``transformers.pytorch_utils.Conv1D`` (GPT-2's attention and MLP projections): ``y = x W + b`` with the
   weight stored as ``(in_features, out_features)``, i.e. a Linear layer with a transposed weight.
+* ``timm.layers.Linear`` (heads of timm models): an ``nn.Linear`` subclass whose own ``forward`` only casts
+  the weight under TorchScript, so it computes exactly what ``nn.Linear`` does; the engine leaves out a
+  subclass with its own forward unless its type is registered.
 """
 
 from __future__ import annotations
@@ -28,4 +32,9 @@ def register_harness_layer_types() -> list[str]:
 
         register_layer_type(Conv1D, LinearHandler(transposed=True))
         registered.append(f"{Conv1D.__module__}.{Conv1D.__qualname__}")
+    if "timm" in sys.modules:
+        from timm.layers import Linear
+
+        register_layer_type(Linear, LinearHandler())
+        registered.append(f"{Linear.__module__}.{Linear.__qualname__}")
     return registered

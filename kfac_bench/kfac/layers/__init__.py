@@ -7,7 +7,10 @@ that stores its weight transposed::
     register_layer_type(Conv1D, LinearHandler(transposed=True))
 
 Lookup follows the module class's MRO, so a subclass of a registered type uses the handler of its nearest
-registered ancestor unless it is registered itself.
+registered ancestor unless it is registered itself, but only if it keeps that ancestor's ``forward``: a
+subclass that computes something else in its own ``forward`` (timm's ``Conv2dSame`` pads inside it,
+``StdConv2d`` standardises its weight) is not its base class, so it has no handler until one is registered
+for it (:func:`overrides_forward` tells the scan why).
 """
 
 from __future__ import annotations
@@ -54,13 +57,30 @@ def layer_types() -> dict[type[nn.Module], LayerHandler]:
     return dict(_HANDLERS)
 
 
-def handler_for(module: nn.Module) -> LayerHandler | None:
-    """The handler for ``module``'s type (nearest registered class in its MRO), or None."""
+def _registered_ancestor(module: nn.Module) -> type[nn.Module] | None:
     for cls in type(module).__mro__:
-        handler = _HANDLERS.get(cls)
-        if handler is not None:
-            return handler
+        if cls in _HANDLERS:
+            return cls
     return None
+
+
+def overrides_forward(module: nn.Module) -> bool:
+    """Whether ``module``'s class, or a class between it and its nearest registered ancestor, defines its
+    own ``forward`` (then :func:`handler_for` returns None for it)."""
+    base = _registered_ancestor(module)
+    if base is None:
+        return False
+    mro = type(module).__mro__
+    return any("forward" in vars(cls) for cls in mro[: mro.index(base)])
+
+
+def handler_for(module: nn.Module) -> LayerHandler | None:
+    """The handler for ``module``'s type (nearest registered class in its MRO), or None (also for a subclass
+    with its own ``forward``, see :func:`overrides_forward`)."""
+    base = _registered_ancestor(module)
+    if base is None or overrides_forward(module):
+        return None
+    return _HANDLERS[base]
 
 
 register_layer_type(nn.Linear, LinearHandler())
@@ -74,6 +94,7 @@ __all__ = [
     "WeightBiasHandler",
     "handler_for",
     "layer_types",
+    "overrides_forward",
     "register_layer_type",
     "unregister_layer_type",
 ]

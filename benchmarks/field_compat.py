@@ -1,0 +1,275 @@
+"""K-FAC on third-party model code: which layers are exact under which training pattern (README table).
+
+Run: ``python -m benchmarks.field_compat [--json PATH]`` (CPU, float64, minutes). Each model is a tiny
+configuration of a torchvision / Hugging Face / timm family (same layer types and forward code as the full
+size, random weights, dropout and stochastic depth off). ResNets are left to the recipe tests: their 4609²
+factors make a float64 eigendecomposition per pattern too slow for this table. For each pattern the
+factors after one factor step (``factor_decay=0``, two accumulated micro-batches) are compared with those
+of the plain eager run of the same model and batches; the plain run itself is what ``tests/kfac`` checks
+against dense float64 factors.
+
+A cell is ``exact`` when every layer preconditioned in the plain run has factors within 1e-9 (relative,
+Frobenius) of the plain run's, else it names the largest difference, and it lists layers left out (with the
+reason ``coverage()`` gives). ``n/a``: the library has no switch for the pattern.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from kfac_bench.kfac import KFACPreconditioner
+from kfac_bench.models.layer_types import register_harness_layer_types
+
+D = torch.float64
+Batch = Any
+
+
+# ------------------------------------------------------------------ models
+def _vision_batches(n: int = 2, size: int = 32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        (
+            torch.randn(n, 3, size, size, generator=g, dtype=D),
+            torch.randint(0, 10, (n,), generator=g),
+        )
+        for _ in range(2)
+    ]
+
+
+def _vision_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def _tv_vit() -> nn.Module:
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(32, 8, 2, 2, 16, 32, num_classes=10)
+
+
+def _tv_swin(v2: bool) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from torchvision.models import swin_transformer as tv
+
+        block = tv.SwinTransformerBlockV2 if v2 else tv.SwinTransformerBlock
+        merge = tv.PatchMergingV2 if v2 else tv.PatchMerging
+        return tv.SwinTransformer(
+            [4, 4],
+            16,
+            [2],
+            [2],
+            [2, 2],
+            stochastic_depth_prob=0.0,
+            num_classes=10,
+            block=block,
+            downsample_layer=merge,
+        )
+
+    return build
+
+
+def _tv_convnext() -> nn.Module:
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+
+    return ConvNeXt([CNBlockConfig(8, 16, 1), CNBlockConfig(16, None, 1)], num_classes=10)
+
+
+def _tv_mobilenet_v3() -> nn.Module:
+    import torchvision
+
+    return torchvision.models.mobilenet_v3_small(num_classes=10, dropout=0.0)
+
+
+def _timm(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import timm
+
+        return timm.create_model(
+            name, pretrained=False, num_classes=10, drop_path_rate=0.0, **kwargs
+        )
+
+    return build
+
+
+def _hf(kind: str) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import transformers as tf
+
+        common = dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2)
+        if kind == "bert":
+            cfg = tf.BertConfig(
+                **common,
+                intermediate_size=32,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+                max_position_embeddings=32,
+            )
+            return tf.BertForMaskedLM(cfg)
+        if kind == "gpt2":
+            cfg = tf.GPT2Config(
+                vocab_size=64,
+                n_embd=16,
+                n_layer=2,
+                n_head=2,
+                n_positions=32,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
+            return tf.GPT2LMHeadModel(cfg)
+        cfg = tf.LlamaConfig(
+            **common, intermediate_size=32, num_key_value_heads=2, max_position_embeddings=32
+        )
+        return tf.LlamaForCausalLM(cfg)
+
+    return build
+
+
+def _text_batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 64, (2, 12), generator=g) for _ in range(2)]
+
+
+def _text_loss(model: nn.Module, ids: Batch) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], str]] = {
+    "torchvision ViT": (_tv_vit, "vision"),
+    "torchvision Swin V1": (_tv_swin(False), "vision"),
+    "torchvision Swin V2": (_tv_swin(True), "vision"),
+    "torchvision ConvNeXt": (_tv_convnext, "vision"),
+    "torchvision MobileNetV3": (_tv_mobilenet_v3, "vision"),
+    "timm tf_efficientnet_b0": (_timm("tf_efficientnet_b0"), "vision"),
+    "timm vit_tiny_patch16": (_timm("vit_tiny_patch16_224", img_size=32), "vision"),
+    "HF BERT": (_hf("bert"), "text"),
+    "HF GPT-2": (_hf("gpt2"), "text"),
+    "HF LLaMA": (_hf("llama"), "text"),
+}
+
+
+# ------------------------------------------------------------------ patterns
+@contextlib.contextmanager
+def _one_rank_group() -> Iterator[None]:
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{os.path.join(tmp, 'pg')}", rank=0, world_size=1
+        )
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def run(model: nn.Module, kind: str, pattern: str) -> KFACPreconditioner:
+    batches = _vision_batches() if kind == "vision" else _text_batches()
+    loss_fn = _vision_loss if kind == "vision" else _text_loss
+    model.train()
+    if pattern == "channels_last":
+        model = model.to(memory_format=torch.channels_last)
+        batches = [(x.contiguous(memory_format=torch.channels_last), y) for x, y in batches]
+    if pattern.startswith("ckpt_"):
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": pattern == "ckpt_reentrant"}
+        )
+    p = KFACPreconditioner(
+        model, factor_decay=0.0, kl_clip=None, accumulation_steps=2, coverage_threshold=0.0
+    )
+    torch.manual_seed(0)  # the same random draws in every pattern
+    forward = model
+    if pattern == "compile":
+        forward = torch.compile(model, backend="aot_eager")
+    if pattern == "ddp_no_sync":
+        ddp = nn.parallel.DistributedDataParallel(model)
+        with ddp.no_sync():
+            (loss_fn(ddp, batches[0]) / 2).backward()
+        (loss_fn(ddp, batches[1]) / 2).backward()
+    else:
+        for b in batches:
+            (loss_fn(forward, b) / 2).backward()
+    p.step()
+    return p
+
+
+def compare(plain: KFACPreconditioner, got: KFACPreconditioner) -> dict[str, Any]:
+    worst, left = 0.0, {}
+    for name, ref in plain.layers.items():
+        layer = got.layers.get(name)
+        if layer is None or not layer.ready:
+            left[name] = layer.not_ready_reason if layer is not None else "not registered"
+            continue
+        for a, b in ((layer.a_factor, ref.a_factor), (layer.g_factor, ref.g_factor)):
+            worst = max(worst, float((a - b).norm() / b.norm().clamp_min(1e-300)))
+    return {"max_rel": worst, "left_out": left}
+
+
+PATTERNS = (
+    "plain",
+    "ckpt_reentrant",
+    "ckpt_nonreentrant",
+    "compile",
+    "ddp_no_sync",
+    "channels_last",
+)
+
+
+def measure(names: list[str], patterns: tuple[str, ...]) -> dict[str, Any]:
+    register_harness_layer_types()
+    out: dict[str, Any] = {}
+    for name in names:
+        build, kind = MODELS[name]
+        torch.manual_seed(0)
+        base = build().to(D)
+        register_harness_layer_types()  # after the build: it registers the libraries already loaded
+        plain = run(copy.deepcopy(base), kind, "plain")
+        cov = plain.coverage()
+        row: dict[str, Any] = {
+            "coverage": str(cov),
+            "eligible_share": cov.eligible_share,
+            "left_out": {k: len(v) for k, v in cov.left_out.items()},
+        }
+        for pattern in patterns[1:]:
+            if pattern.startswith("ckpt_") and kind != "text":
+                row[pattern] = "n/a"
+                continue
+            if pattern == "channels_last" and kind != "vision":
+                row[pattern] = "n/a"
+                continue
+            try:
+                ctx = _one_rank_group() if pattern == "ddp_no_sync" else contextlib.nullcontext()
+                with ctx:
+                    row[pattern] = compare(plain, run(copy.deepcopy(base), kind, pattern))
+            except Exception as err:  # report, do not stop the table
+                row[pattern] = f"error: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+        out[name] = row
+        print(name, json.dumps(row), flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--patterns", nargs="*", default=list(PATTERNS))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    result = measure(args.models, tuple(["plain", *[p for p in args.patterns if p != "plain"]]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
