@@ -37,16 +37,11 @@ def cli_env() -> dict[str, str]:
 
 
 def run_cli(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """``python -m kfac_bench.cli ARGS`` in ``cwd`` (same interpreter as the tests); ``timeout`` is
-    stretched by :func:`tests.limits.hang_limit`."""
-    return subprocess.run(
-        [sys.executable, "-m", "kfac_bench.cli", *args],
-        cwd=cwd,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=hang_limit(timeout),
-    )
+    """``python -m kfac_bench.cli ARGS`` in ``cwd`` (same interpreter as the tests, forked from a warm
+    one: :mod:`tests.harness.cli_process`); ``timeout`` is stretched by :func:`tests.limits.hang_limit`."""
+    from tests.harness.cli_process import run_cli_process
+
+    return run_cli_process(args, cwd, cli_env(), hang_limit(timeout))
 
 
 def console_script() -> str:
