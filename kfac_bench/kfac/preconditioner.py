@@ -38,7 +38,7 @@ from .options import (
 )
 from .registration import log_scan, scan_model
 from .schedules import Scheduled, is_due, resolve
-from .second_order import second_order_method
+from .second_order import RankRule, second_order_method
 from .state import LayerState, memory_by_category
 from .subsample import ExampleSubset, check_fraction
 from .timing import STAGES, StageTimer
@@ -62,7 +62,9 @@ class KFACPreconditioner:
         kl_clip: κ of the gradient scaling ν = min(1, sqrt(κ / |Σ lr²⟨∇̃W, ∇W⟩|)); None disables it.
         lr: the learning rate used by KL clipping, constant or callable.
         accumulation_steps: micro-batches per optimizer step (each loss divided by this number).
-        compute_method: ``'eigen'`` (default, all the paper's results) or ``'inverse'``.
+        compute_method: ``'eigen'`` (default, all the paper's results), ``'inverse'``, or the opt-in
+            approximation ``'eigen_lowrank'`` (top-k eigenpairs of large Linear-layer factors plus one scalar
+            for the rest, warm-started from the previous basis; see ``lowrank_fraction``).
         compute_eigenvalue_outer_product: precompute ``1/(λ_G λ_Aᵀ + γ)`` on decomposition steps (KAISA §4.4);
             needs A and G on the same rank, so it is ignored when ``colocate_factors=False``.
         factor_dtype: dtype of factors (default: float32, or float64 for a float64 model).
@@ -91,6 +93,10 @@ class KFACPreconditioner:
         factor_batch_fraction: share of each micro-batch's examples the factor statistics are computed
             from, in (0, 1]; 1 (default) is exact, less is an opt-in approximation whose noise the running
             average absorbs, for a factor stage about that much cheaper (:mod:`kfac_bench.kfac.subsample`).
+        lowrank_fraction: with ``compute_method='eigen_lowrank'``, the rank kept of each large Linear-layer
+            factor as a share of its size, in (0, 1] (1: exact); see :mod:`.second_order.lowrank`.
+        lowrank_min_dim: with ``'eigen_lowrank'``, factors smaller than this (and every convolution factor)
+            keep their exact ``eigh``.
 
     Note:
         What the hooks count and when (one micro-batch = one backward pass; eval-mode forwards ignored; AMP)
@@ -132,6 +138,8 @@ class KFACPreconditioner:
         process_group: dist.ProcessGroup | None = None,
         coverage_threshold: float = 0.5,
         factor_batch_fraction: float = 1.0,
+        lowrank_fraction: float = 0.25,
+        lowrank_min_dim: int = 1024,
     ) -> None:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
@@ -159,6 +167,7 @@ class KFACPreconditioner:
             self.compute_method,
             self.inv_dtype,
             compute_eigenvalue_outer_product and colocate_factors,
+            RankRule(lowrank_fraction, lowrank_min_dim),
         )
         self.timer = StageTimer(track_stage_times)
         self._warn = WarnOnce()
@@ -208,7 +217,9 @@ class KFACPreconditioner:
     # ------------------------------------------------------------------ registration and placement
     def _plan(self) -> None:
         """(Re)compute the placement of every layer. Deterministic, so every rank agrees unasked."""
-        shapes = [asg.LayerShape(n, s.a_dim, s.g_dim) for n, s in self.layers.items()]
+        shapes = [
+            asg.LayerShape(n, s.a_dim, s.g_dim, s.handler.spatial) for n, s in self.layers.items()
+        ]
         plan = asg.assign(
             shapes,
             self.comm.world_size,
@@ -216,6 +227,7 @@ class KFACPreconditioner:
             self.assignment_strategy,
             self.colocate_factors,
             self.placement,
+            self.method.decomposition_cost,
         )
         for name, work in plan.items():
             self.layers[name].work = work
