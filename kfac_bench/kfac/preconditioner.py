@@ -26,6 +26,7 @@ from .capture import Capture
 from .comm import Communicator, factor_entries
 from .coverage import Coverage
 from .curvature import Curvature
+from .layers.base import WeightBiasHandler
 from .log import WarnOnce
 from .options import (
     AssignmentStrategy,
@@ -331,6 +332,15 @@ class KFACPreconditioner:
             nu = self._kl_clip_scale(grads, raw, step)
         for name, pg in grads.items():
             layer = self.layers[name]
+            handler = layer.handler
+            if (
+                nu is not None
+                and isinstance(handler, WeightBiasHandler)
+                and type(handler).set_grad is WeightBiasHandler.set_grad
+            ):
+                # Linear/Conv2d: scale while writing, one pass over the gradient.
+                handler.set_grad(layer.module, pg, layer.bias, scale=nu)
+                continue
             if (
                 nu is not None
             ):  # in place: ``pg`` is this step's own buffer (a result or a receive buffer)
@@ -345,10 +355,7 @@ class KFACPreconditioner:
             return None
         kappa = resolve(self.kl_clip, step)
         lr = resolve(self.lr, step)
-        vg = torch.zeros((), dtype=torch.float64, device=next(iter(grads.values())).device)
-        for name, pg in grads.items():
-            vg += _inner(pg, raw[name])
-        vg = vg * lr**2
+        vg = torch.stack([_inner(pg, raw[name]) for name, pg in grads.items()]).sum() * lr**2
         # |vg| = 0 gives sqrt(inf) -> clamped to 1: no scaling, as the reference does.
         return torch.sqrt(kappa / vg.abs()).clamp(max=1.0)
 
