@@ -381,9 +381,11 @@ class KFACPreconditioner:
           layer's on every rank with ``factor_reduction='allreduce'``, only the owned ones with ``'reduce'``.
         * ``decompositions``: the second-order parts held on each gradient worker of a layer, in
           ``inv_dtype``: ``d² + d`` per factor for ``eigen`` (eigenvectors, eigenvalues), ``d²`` for
-          ``inverse``, plus the outer products; from the first decomposition step.
+          ``inverse``, ``d·k + k + 1`` for ``eigen_lowrank`` (``k`` its rank, ``d`` where exact), plus the
+          outer products; from the first decomposition step.
         * ``outer_products``: ``eigen`` with ``compute_eigenvalue_outer_product``: ``g_dim·a_dim`` per layer
-          on its gradient workers, in ``inv_dtype`` promoted to at least float32.
+          (``k_g·k_a`` for ``eigen_lowrank``) on its gradient workers, in ``inv_dtype`` promoted to at least
+          float32.
         * ``batch_buffers``: batch factors not yet packed for communication, in ``factor_dtype``: the
           accumulated sums (``d²`` per factor of each layer that ran), ``a_dim²`` per forward call waiting for
           its backward pass and, in a distributed factor step's last backward pass, the normalised factors
