@@ -218,3 +218,17 @@ def test_distributed_low_rank_equals_a_single_process() -> None:
                         atol=1e-9,
                         msg=lambda m, c=(name, fraction, step): f"{c}: {m}",
                     )
+
+
+def test_memory_usage_counts_rank_k_parts() -> None:
+    """memory_usage() follows its documented sizes: ``d·k + k + 1`` per factor, ``k_g·k_a`` per outer."""
+    model = make_model()
+    p = KFACPreconditioner(model, **_lowrank_kwargs())
+    _steps(model, p, range(1))
+    # (a_dim, k_a, g_dim, k_g) of conv 3->4, conv 4->6 (exact: spatial), Linear 54->8, Linear 8->5.
+    shapes = [(28, 28, 4, 4), (37, 37, 6, 6), (55, 28, 8, 4), (9, 5, 5, 5)]
+    elements = sum(a * ka + ka + 1 + g * kg + kg + 1 + kg * ka for a, ka, g, kg in shapes)
+    outer = sum(kg * ka for _, ka, _, kg in shapes)
+    usage = p.memory_usage()
+    assert usage["decompositions"] == 8 * elements
+    assert usage["outer_products"] == 8 * outer
