@@ -1,11 +1,21 @@
-"""K-FAC overhead: step time of SGD and SGD + K-FAC, side by side in one process, with a stage breakdown.
+"""K-FAC overhead by stage against its floor: SGD, K-FAC variants (and the reference), side by side.
 
-Run ``python -m benchmarks.overhead`` (or ``make bench``). For each workload and each cadence
-(factor interval / decomposition interval), two copies of the model take turns on the same batches: one
-plain SGD step, then one K-FAC step, so both arms see the same machine load. A *cycle* is one decomposition
-interval; the K-FAC time per step of a cycle includes its one decomposition (amortised), and the table
-reports medians over cycles, the ratio K-FAC/SGD, and the per-stage seconds per step. The decomposition
-stage is also compared with bare ``torch.linalg.eigh`` calls on the same factors.
+Run ``python -m benchmarks.overhead`` (or ``make bench``). For each workload (the digits demo CNN, CIFAR
+ResNet-32 at batch 128, a BERT-like encoder: hidden 256, 4 layers, seq 128, batch 16) at its cadence (factor
+interval / decomposition interval; the paper's 1/10 by default), copies of the model take turns on the same
+batches: one plain SGD step, then one step of each K-FAC variant (the exact default path, opt-in
+approximations such as ``factor_batch_fraction=0.25``) and, with ``--reference PATH``, of the reference
+implementation (kfac-pytorch, imported from its source tree at PATH), so every arm sees the same machine load.
+A *round* is one decomposition interval; an arm's time per step of a round includes its one decomposition
+(amortised). The report gives medians over rounds (at least 3), one thread by default.
+
+Each engine stage (``KFACPreconditioner.stage_times``, ms per step) is set against its *floor* on this
+machine: the factor stage against the FLOPs of its factor GEMMs (``2·rows·d²`` per factor, rows = examples ×
+positions) at the GEMM rate measured here, the decomposition stage against bare ``torch.linalg.eigh`` of the
+same factors, the preconditioning stage against its four GEMMs per layer (``4·g·a·(g+a)`` FLOPs) at that
+rate. Floors are per step at the workload's cadence; the GEMM rate and the bare ``eigh`` are measured once
+per round, between the arms' steps, and their medians used. The conv A factor can beat its im2col floor
+(the engine never builds the patches).
 
 The side-by-side pieces (:class:`Setup`: device, autocast, GradScaler, channels_last; :class:`Arm`: one
 timed training step in the harness loop's order; :func:`twins`; :func:`eigh_check`) are shared with the GPU
@@ -18,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import statistics
 import sys
@@ -58,18 +69,52 @@ def _classification(
 
 def workloads() -> dict[str, Workload]:
     from kfac_bench.models.cifar_resnet import build_cifar_resnet
+    from kfac_bench.models.small_cnn import build_small_cnn
     from kfac_bench.models.torchvision_models import build_torchvision_resnet
 
-    out = {
+    return {
+        "digits": _classification("digits", build_small_cnn, (32, 1, 8, 8), 10),
         "resnet32": _classification(
             "resnet32", lambda: build_cifar_resnet(32), (128, 3, 32, 32), 10
         ),
+        "bert": bert_encoder_workload(),
         "resnet50": _classification(
             "resnet50", lambda: build_torchvision_resnet("resnet50"), (8, 3, 64, 64), 1000
         ),
     }
-    out["bert"] = bert_workload()
-    return out
+
+
+#: Workloads ``make bench`` measures (``resnet50`` on request: ``--workloads resnet50``).
+DEFAULT_WORKLOADS = ("digits", "resnet32", "bert")
+
+
+def bert_encoder_workload(
+    hidden: int = 256,
+    layers: int = 4,
+    seq: int = 128,
+    batch_size: int = 16,
+    vocab_size: int = 30522,
+) -> Workload:
+    """A BERT-like encoder: ``BertForPreTraining`` with ``hidden`` units, ``layers`` layers (heads of 64,
+    intermediate 4·hidden), on random token batches; K-FAC on the encoder's Linear layers only."""
+    from transformers import BertConfig, BertForPreTraining
+
+    from kfac_bench.models.bert import BERT_KFAC_SKIP_LAYERS
+
+    config = BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        intermediate_size=4 * hidden,
+    )
+    return Workload(
+        "bert",
+        lambda: BertForPreTraining(config),
+        _token_batches(vocab_size, seq, batch_size),
+        _pretraining_loss,
+        tuple(BERT_KFAC_SKIP_LAYERS),
+    )
 
 
 def bert_workload(
@@ -85,7 +130,16 @@ def bert_workload(
     from kfac_bench.models.bert import BERT_KFAC_SKIP_LAYERS, BERT_PRESETS, build_bert
 
     vocab = vocab_size or BERT_PRESETS[preset]["vocab_size"]
+    return Workload(
+        name,
+        lambda: build_bert(preset, vocab_size),
+        _token_batches(vocab, seq, batch_size),
+        _pretraining_loss,
+        tuple(BERT_KFAC_SKIP_LAYERS),
+    )
 
+
+def _token_batches(vocab: int, seq: int, batch_size: int) -> Callable[[torch.Generator], Any]:
     def batch(g: torch.Generator) -> dict[str, torch.Tensor]:
         ids = torch.randint(0, vocab, (batch_size, seq), generator=g)
         labels = torch.full_like(ids, -100)
@@ -98,12 +152,11 @@ def bert_workload(
             "next_sentence_label": torch.randint(0, 2, (batch_size,), generator=g),
         }
 
-    def loss(model: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
-        return model(**b).loss  # type: ignore[no-any-return]
+    return batch
 
-    return Workload(
-        name, lambda: build_bert(preset, vocab_size), batch, loss, tuple(BERT_KFAC_SKIP_LAYERS)
-    )
+
+def _pretraining_loss(model: nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**b).loss  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)
@@ -153,15 +206,26 @@ class Arm:
     synchronisation between phases so each phase's wall time includes its device work.
     """
 
-    def __init__(self, model: nn.Module, setup: Setup, kfac: dict[str, Any] | None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        setup: Setup,
+        kfac: dict[str, Any] | None,
+        factory: Callable[[nn.Module], Any] | None = None,
+    ) -> None:
         self.setup = setup
         if setup.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.model = model.to(setup.device)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
         self.scaler = torch.amp.GradScaler(setup.device_type) if setup.grad_scaler else None
-        self.precond = (
-            KFACPreconditioner(self.model, grad_scaler=self.scaler, track_stage_times=True, **kfac)
+        # Another preconditioner (the reference) from ``factory``: anything with a ``step()``.
+        self.precond: Any = (
+            factory(self.model)
+            if factory is not None
+            else KFACPreconditioner(
+                self.model, grad_scaler=self.scaler, track_stage_times=True, **kfac
+            )
             if kfac is not None
             else None
         )
@@ -181,7 +245,7 @@ class Arm:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         s.sync()
         t1 = time.perf_counter()
-        before = p.stage_times() if p is not None else {}
+        before = _stage_times(p)
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
         if p is not None:
@@ -195,9 +259,13 @@ class Arm:
             self.opt.step()
         s.sync()
         t3 = time.perf_counter()
-        after = p.stage_times() if p is not None else {}
+        after = _stage_times(p)
         stages = {k: after[k] - before[k] for k in after}
         return StepTime(t3 - t0, t1 - t0, t2 - t1, t3 - t2, stages)
+
+
+def _stage_times(p: Any) -> dict[str, float]:
+    return p.stage_times() if isinstance(p, KFACPreconditioner) else {}
 
 
 def twins(w: Workload, setup: Setup, **kfac: Any) -> tuple[Arm, Arm]:
@@ -213,6 +281,83 @@ def kfac_arguments(w: Workload, **kfac: Any) -> dict[str, Any]:
     return {"damping": 0.003, "lr": 1e-3, "skip_layers": w.skip_layers, **kfac}
 
 
+#: The K-FAC arms ``make bench`` runs by default: the exact path and the opt-in factor subsampling.
+DEFAULT_VARIANTS = ("exact", "factor_batch_fraction=0.25")
+
+
+def parse_variant(spec: str) -> dict[str, Any]:
+    """Engine arguments of a variant spec: ``exact`` (none) or ``key=value[,key=value...]`` (numbers are
+    parsed, anything else stays a string), e.g. ``compute_method=inverse,factor_batch_fraction=0.25``."""
+    if spec == "exact":
+        return {}
+    out: dict[str, Any] = {}
+    for item in spec.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"variant {spec!r}: give 'exact' or key=value[,key=value...]")
+        parsed: Any = value
+        for cast in (int, float):
+            try:
+                parsed = cast(value)
+                break
+            except ValueError:
+                continue
+        out[key.strip()] = parsed
+    return out
+
+
+def gemm_rate(dim: int = 256, rows: int = 4096, repeats: int = 5) -> float:
+    """FLOP/s of a float32 factor-shaped GEMM (``xᵀx``, x of ``rows × dim``) here: the best of
+    ``repeats``, the rate the floors assume."""
+    x = torch.randn(rows, dim)
+    x.t() @ x
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.t() @ x
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * rows * dim * dim / best
+
+
+def factor_rows(p: KFACPreconditioner, model: nn.Module, w: Workload, batch: Any) -> dict[str, int]:
+    """Rows (examples × positions) of each K-FAC layer's factor GEMMs for ``batch``: one forward
+    without gradients (the engine's hooks ignore it), reading each output's size."""
+    rows: dict[str, int] = {}
+    handles = [
+        s.module.register_forward_hook(
+            lambda m, a, out, name=name, g=s.g_dim: rows.__setitem__(name, out.numel() // g)
+        )
+        for name, s in p.layers.items()
+    ]
+    try:
+        with torch.no_grad():
+            w.loss(model, batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return rows
+
+
+def floors(
+    p: KFACPreconditioner,
+    rows: dict[str, int],
+    rate: float,
+    factor_steps: int,
+    inv_steps: int,
+    eigh_s: float,
+) -> dict[str, float]:
+    """Seconds per step each stage could take here at this cadence: the factor GEMMs (``2·rows·d²`` per
+    factor) and the preconditioning GEMMs (``4·g·a·(g+a)`` per layer) at ``rate``, bare ``eigh`` of the
+    factors (``eigh_s`` per decomposition step)."""
+    factor = sum(2.0 * rows.get(n, 0) * (s.a_dim**2 + s.g_dim**2) for n, s in p.layers.items())
+    precondition = sum(4.0 * s.g_dim * s.a_dim * (s.g_dim + s.a_dim) for s in p.layers.values())
+    return {
+        "factor": factor / rate / factor_steps,
+        "decomposition": eigh_s / inv_steps,
+        "precondition": precondition / rate,
+    }
+
+
 def measure(
     w: Workload,
     factor_steps: int,
@@ -220,44 +365,154 @@ def measure(
     cycles: int,
     warmup_steps: int = 3,
     setup: Setup | None = None,
+    variants: tuple[str, ...] = ("exact",),
+    reference: Callable[[nn.Module, dict[str, Any]], Any] | None = None,
 ) -> dict[str, Any]:
-    """Interleaved SGD and K-FAC steps: ``warmup_steps`` (first-call costs, the first decomposition),
-    then ``cycles`` windows of ``inv_steps`` steps, each holding exactly one decomposition step."""
+    """Interleaved steps of SGD, each K-FAC variant (``parse_variant`` specs; the first is the main one)
+    and the reference (``reference(model, engine_arguments)`` builds its preconditioner): ``warmup_steps``
+    (first-call costs, the first decomposition), then ``cycles`` rounds of ``inv_steps`` steps, each
+    holding exactly one decomposition step. Medians over rounds."""
     setup = setup or Setup()
-    sgd, kfac = twins(w, setup, factor_update_steps=factor_steps, inv_update_steps=inv_steps)
-    p = kfac.precond
-    assert p is not None
+    cadence = {"factor_update_steps": factor_steps, "inv_update_steps": inv_steps}
+    torch.manual_seed(0)
+    base = w.build()
+    state = base.state_dict()
+
+    def copy() -> nn.Module:
+        m = w.build()
+        m.load_state_dict(state)
+        return m
+
+    arms: dict[str, Arm] = {"sgd": Arm(base, setup, None)}
+    for spec in variants:
+        arms[spec] = Arm(copy(), setup, kfac_arguments(w, **cadence, **parse_variant(spec)))
+    if reference is not None:
+        args = kfac_arguments(w, **cadence)
+        arms["reference"] = Arm(copy(), setup, None, factory=lambda m: reference(m, args))
     g = torch.Generator().manual_seed(1)
     for _ in range(warmup_steps):
         b = setup.to_device(w.batch(g))
-        sgd.step(w, b)
-        kfac.step(w, b)
-    sgd_cycles, kfac_cycles, stage_cycles = [], [], []
+        for arm in arms.values():
+            arm.step(w, b)
+    per_cycle: dict[str, list[float]] = {k: [] for k in arms}
+    stage_cycles: dict[str, list[dict[str, float]]] = {k: [] for k in variants}
+    rates: list[float] = []
+    eighs: list[float] = []
     for _ in range(cycles):
-        before = p.stage_times()
-        s_tot = k_tot = 0.0
+        before = {k: _stage_times(arms[k].precond) for k in variants}
+        totals = dict.fromkeys(arms, 0.0)
         for _ in range(inv_steps):
             b = setup.to_device(w.batch(g))
-            s_tot += sgd.step(w, b).total
-            k_tot += kfac.step(w, b).total
-        after = p.stage_times()
-        sgd_cycles.append(s_tot / inv_steps)
-        kfac_cycles.append(k_tot / inv_steps)
-        stage_cycles.append({k: (after[k] - before[k]) / inv_steps for k in STAGES})
-    sgd_s, kfac_s = statistics.median(sgd_cycles), statistics.median(kfac_cycles)
-    stages = {k: statistics.median(s[k] for s in stage_cycles) for k in STAGES}
+            for k, arm in arms.items():
+                totals[k] += arm.step(w, b).total
+        for k in arms:
+            per_cycle[k].append(totals[k] / inv_steps)
+        for k in variants:
+            after = _stage_times(arms[k].precond)
+            stage_cycles[k].append({s: (after[s] - before[k][s]) / inv_steps for s in STAGES})
+        # The floors' measurements take turns with the arms too (the machine's load changes).
+        rates.append(gemm_rate(repeats=3))
+        eighs.append(eigh_check(arms[variants[0]].precond, 0.0, repeats=1)["bare_eigh_s"])
+    step_s = {k: statistics.median(v) for k, v in per_cycle.items()}
+    sgd_s = step_s["sgd"]
+    out_variants = {
+        k: {
+            "step_s": step_s[k],
+            "ratio": step_s[k] / sgd_s,
+            "stages_s_per_step": {
+                s: statistics.median(c[s] for c in stage_cycles[k]) for s in STAGES
+            },
+        }
+        for k in variants
+    }
+    main = variants[0]
+    p = arms[main].precond
+    assert isinstance(p, KFACPreconditioner)
+    stages = out_variants[main]["stages_s_per_step"]
+    bare = statistics.median(eighs)
+    check = {
+        "stage_s": stages["decomposition"] * inv_steps,
+        "bare_eigh_s": bare,
+        "ratio": stages["decomposition"] * inv_steps / bare,
+    }
+    rows = factor_rows(p, arms[main].model, w, setup.to_device(w.batch(g)))
+    rate = statistics.median(rates)
+    ref = None
+    if reference is not None:
+        ref = {
+            "step_s": step_s["reference"],
+            "ratio": step_s["reference"] / sgd_s,
+            "ours_over_reference": step_s[main] / step_s["reference"],
+        }
     return {
         "workload": w.name,
         "factor_update_steps": factor_steps,
         "inv_update_steps": inv_steps,
         "cycles": cycles,
         "sgd_step_s": sgd_s,
-        "kfac_step_s": kfac_s,
-        "ratio": kfac_s / sgd_s,
+        "kfac_step_s": step_s[main],
+        "ratio": step_s[main] / sgd_s,
         "stages_s_per_step": stages,
-        "eigh_check": eigh_check(p, stages["decomposition"] * inv_steps),
+        "variants": out_variants,
+        "floors_s_per_step": floors(p, rows, rate, factor_steps, inv_steps, check["bare_eigh_s"]),
+        "gemm_flops_per_s": rate,
+        "eigh_check": check,
+        "reference": ref,
         "layers": len(p.layers),
     }
+
+
+def reference_factory(path: str) -> Callable[[nn.Module, dict[str, Any]], Any]:
+    """A builder of the reference implementation's preconditioner (kfac-pytorch), imported from its source
+    tree at ``path``, with the engine arguments mapped onto its own: the current API
+    (``kfac.preconditioner.KFACPreconditioner``) or the SC20-era one (``kfac.KFAC``).
+
+    Raises:
+        SystemExit: one line, when no ``kfac`` package with either class is importable from ``path``.
+    """
+    sys.path.insert(0, path)
+    try:
+        ref = importlib.import_module("kfac")
+        with contextlib.suppress(ImportError):
+            importlib.import_module("kfac.preconditioner")
+    except ImportError as err:
+        raise SystemExit(
+            f"--reference {path}: cannot import kfac-pytorch from there ({err}); give its source root"
+        ) from None
+    current = getattr(getattr(ref, "preconditioner", None), "KFACPreconditioner", None)
+    if current is not None:
+
+        def build(model: nn.Module, a: dict[str, Any]) -> Any:
+            return current(
+                model,
+                factor_update_steps=a["factor_update_steps"],
+                inv_update_steps=a["inv_update_steps"],
+                damping=a["damping"],
+                factor_decay=0.95,
+                kl_clip=0.001,
+                lr=a["lr"],
+                skip_layers=list(a["skip_layers"]),
+            )
+
+        return build
+    legacy = getattr(ref, "KFAC", None)
+    if legacy is None:
+        raise SystemExit(
+            f"--reference {path}: its kfac package has neither preconditioner.KFACPreconditioner nor KFAC"
+        )
+
+    def build_legacy(model: nn.Module, a: dict[str, Any]) -> Any:
+        return legacy(
+            model,
+            lr=a["lr"],
+            factor_decay=0.95,
+            damping=a["damping"],
+            kl_clip=0.001,
+            fac_update_freq=a["factor_update_steps"],
+            kfac_update_freq=a["inv_update_steps"],
+        )
+
+    return build_legacy
 
 
 def eigh_check(p: KFACPreconditioner, decomposition_s: float, repeats: int = 3) -> dict[str, float]:
@@ -285,57 +540,138 @@ def eigh_check(p: KFACPreconditioner, decomposition_s: float, repeats: int = 3) 
     return {"stage_s": decomposition_s, "bare_eigh_s": bare, "ratio": decomposition_s / bare}
 
 
+_SHORT = {
+    "factor": "factor",
+    "factor_comm": "factor comm",
+    "decomposition": "decomposition",
+    "decomposition_comm": "decomp. comm",
+    "precondition": "precondition",
+    "grad_broadcast": "grad broadcast",
+    "kl_clip": "KL clip",
+}
+
+
+def _label(spec: str) -> str:
+    """A variant's column label: its spec with the long engine names shortened."""
+    return spec.replace("factor_batch_fraction", "fbf").replace("compute_method=", "")
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    short = {
-        "factor": "fac",
-        "factor_comm": "fac_comm",
-        "decomposition": "decomp",
-        "decomposition_comm": "dec_comm",
-        "precondition": "precond",
-        "grad_broadcast": "g_bcast",
-        "kl_clip": "kl",
-    }
-    head = (
-        f"{'workload':<9} {'cadence':>8} {'SGD s':>7} {'K-FAC s':>8} {'ratio':>6} "
-        + " ".join(f"{short[k]:>8}" for k in STAGES)
-        + f" {'decomp/eigh':>11}"
-    )
-    lines = [head, "-" * len(head)]
+    """One block per workload: each stage's ms per step against its floor, per variant; the step times
+    and ratios to SGD; the reference's when measured."""
+    blocks = []
     for r in rows:
+        names = list(r.get("variants") or {"exact": r})
+        variants = r.get("variants") or {
+            "exact": {
+                "step_s": r["kfac_step_s"],
+                "ratio": r["ratio"],
+                "stages_s_per_step": r["stages_s_per_step"],
+            }
+        }
+        fl = r.get("floors_s_per_step", {})
+        width = max(10, *(len(_label(n)) for n in names))
         cad = f"{r['factor_update_steps']}/{r['inv_update_steps']}"
-        st = " ".join(f"{r['stages_s_per_step'][k]:>8.4f}" for k in STAGES)
-        lines.append(
-            f"{r['workload']:<9} {cad:>8} {r['sgd_step_s']:>7.3f} {r['kfac_step_s']:>8.3f} "
-            f"{r['ratio']:>5.2f}x {st} {r['eigh_check']['ratio']:>10.2f}x"
+        rate = r.get("gemm_flops_per_s")
+        lines = [
+            f"{r['workload']}: cadence {cad} (factors/decompositions), {r['layers']} K-FAC layers, "
+            f"medians of {r['cycles']} rounds"
+            + (f", GEMM rate {rate / 1e9:.1f} GFLOP/s" if rate else "")
+        ]
+        head = f"  {'ms per step':<16} {'floor':>8} " + " ".join(
+            f"{_label(n):>{width}}" for n in names
         )
-    lines.append("stage columns: seconds per step (decompositions amortised over their interval)")
-    return "\n".join(lines)
+        head += f" {'x floor':>8}"
+        lines += [head, "  " + "-" * (len(head) - 2)]
+        for s in STAGES:
+            vals = [variants[n]["stages_s_per_step"][s] * 1e3 for n in names]
+            if max(vals) < 0.05 and s not in fl:  # e.g. communication in one process
+                continue
+            floor = fl.get(s)
+            cells = " ".join(f"{v:>{width}.1f}" for v in vals)
+            over = f"{vals[0] / (floor * 1e3):>7.1f}x" if floor else f"{'':>8}"
+            lines.append(
+                f"  {_SHORT[s]:<16} {(f'{floor * 1e3:.1f}' if floor else '-'):>8} {cells} {over}"
+            )
+        lines.append("  " + "-" * (len(head) - 2))
+        lines.append(
+            f"  {'step':<16} {'':>8} "
+            + " ".join(f"{variants[n]['step_s'] * 1e3:>{width}.1f}" for n in names)
+            + f"   (SGD {r['sgd_step_s'] * 1e3:.1f})"
+        )
+        lines.append(
+            f"  {'K-FAC/SGD':<16} {'':>8} "
+            + " ".join(f"{variants[n]['ratio']:>{width - 1}.2f}x" for n in names)
+        )
+        ref = r.get("reference")
+        if ref:
+            lines.append(
+                f"  reference (kfac-pytorch): {ref['step_s'] * 1e3:.1f} ms, {ref['ratio']:.2f}x SGD; "
+                f"{names[0]}/reference {ref['ours_over_reference']:.2f}"
+            )
+        blocks.append("\n".join(lines))
+    blocks.append(
+        "floors: factor GEMM FLOPs and preconditioning GEMM FLOPs at the GEMM rate, bare eigh of the same "
+        "factors; decompositions amortised over their interval; 'x floor' is the first variant's"
+    )
+    return "\n\n".join(blocks)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workloads", nargs="+", default=["resnet32", "resnet50", "bert"])
+    ap.add_argument("--workloads", nargs="+", default=list(DEFAULT_WORKLOADS))
     ap.add_argument(
-        "--cadences",
+        "--cadence",
+        default="1/10",
+        help="factor/decomposition intervals (default: the paper's 1/10)",
+    )
+    ap.add_argument(
+        "--variants",
         nargs="+",
-        default=["1/10", "10/100"],
-        help="factor/decomposition intervals, e.g. 1/10",
+        default=list(DEFAULT_VARIANTS),
+        help="K-FAC arms: 'exact' or key=value[,key=value] engine arguments; the first is the main one",
+    )
+    ap.add_argument("--rounds", type=int, default=3, help="measured decomposition intervals")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--reference", metavar="PATH", help="kfac-pytorch source root: also time its step"
     )
     ap.add_argument(
-        "--cycles", type=int, default=2, help="measured decomposition intervals per cadence"
+        "--quick",
+        action="store_true",
+        help="digits only, cadence 1/2, one warm-up step (a smoke run)",
     )
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", help="write the results here as JSON")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.workloads, args.cadence = ["digits"], "1/2"
     torch.set_num_threads(args.threads)
+    reference = reference_factory(args.reference) if args.reference else None
     all_workloads = workloads()
+    unknown = [n for n in args.workloads if n not in all_workloads]
+    if unknown:
+        ap.error(f"unknown workload {unknown[0]!r}: choose from {', '.join(all_workloads)}")
+    try:
+        for spec in args.variants:
+            parse_variant(spec)
+    except ValueError as err:
+        ap.error(str(err))
+    f, k = (int(v) for v in args.cadence.split("/"))
     rows = []
     for name in args.workloads:
-        for cad in args.cadences:
-            f, k = (int(v) for v in cad.split("/"))
-            print(f"measuring {name} at {cad} ...", file=sys.stderr, flush=True)
-            rows.append(measure(all_workloads[name], f, k, args.cycles))
-            print(table(rows[-1:]).splitlines()[2], file=sys.stderr, flush=True)  # progress
+        print(f"measuring {name} at {f}/{k} ...", file=sys.stderr, flush=True)
+        rows.append(
+            measure(
+                all_workloads[name],
+                f,
+                k,
+                args.rounds,
+                warmup_steps=1 if args.quick else 3,
+                variants=tuple(args.variants),
+                reference=reference,
+            )
+        )
+        print(table(rows[-1:]), file=sys.stderr, flush=True)  # progress
     meta = {"torch": torch.__version__, "threads": args.threads, "device": "cpu"}
     print(table(rows))
     if args.json:

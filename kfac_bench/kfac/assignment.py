@@ -17,7 +17,7 @@ without communicating.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .options import (
@@ -30,11 +30,13 @@ from .options import (
 
 @dataclass(frozen=True)
 class LayerShape:
-    """A layer's factor sizes: A is ``a_dim × a_dim``, G is ``g_dim × g_dim``."""
+    """A layer's factor sizes: A is ``a_dim × a_dim``, G is ``g_dim × g_dim``; ``spatial``: a convolution
+    (its factors may cost differently to decompose, see :func:`assign`'s ``cost``)."""
 
     name: str
     a_dim: int
     g_dim: int
+    spatial: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,12 @@ def assign(
     strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
     colocate_factors: bool = True,
     placement: Placement | str = Placement.LPT,
+    cost: Callable[[int, bool], float] | None = None,
 ) -> dict[str, LayerWork]:
-    """The placement of every layer's decompositions and gradient workers."""
+    """The placement of every layer's decompositions and gradient workers.
+
+    ``cost(n, spatial)``: the decomposition cost of an n×n factor under the ``compute`` strategy, e.g. the
+    second-order method's (low-rank factors cost far less than ``n³``); default ``n³``."""
     strategy, placement = AssignmentStrategy.parse(strategy), Placement.parse(placement)
     m = grad_workers_per_layer(grad_worker_fraction, world_size)
     if placement is Placement.ROUND_ROBIN:
@@ -109,7 +115,7 @@ def assign(
             layers, world_size, split=m == world_size and world_size > len(layers)
         )
     else:
-        owners = _lpt_two_level(layers, world_size, m, strategy, colocate_factors)
+        owners = _lpt_two_level(layers, world_size, m, strategy, colocate_factors, cost)
     plan = {}
     for layer, (a_owner, g_owner) in zip(layers, owners):
         block = a_owner // m
@@ -140,10 +146,17 @@ def _lpt_two_level(
     m: int,
     strategy: AssignmentStrategy,
     colocate: bool,
+    cost: Callable[[int, bool], float] | None = None,
 ) -> list[tuple[int, int]]:
     """Layers to blocks by LPT on their total cost, then factors (or whole layers) to the block's ranks."""
-    a_cost = [factor_cost(layer.a_dim, strategy) for layer in layers]
-    g_cost = [factor_cost(layer.g_dim, strategy) for layer in layers]
+
+    def price(n: int, spatial: bool) -> float:
+        if cost is not None and strategy is AssignmentStrategy.COMPUTE:
+            return cost(n, spatial)
+        return factor_cost(n, strategy)
+
+    a_cost = [price(layer.a_dim, layer.spatial) for layer in layers]
+    g_cost = [price(layer.g_dim, layer.spatial) for layer in layers]
     blocks = lpt([a + g for a, g in zip(a_cost, g_cost)], world_size // m)
     owners: list[tuple[int, int]] = [(0, 0)] * len(layers)
     for b in range(world_size // m):

@@ -85,7 +85,9 @@ def _gather_parts(p: KFACPreconditioner, layer: LayerState) -> dict[str, Result 
     src = work.grad_workers[0]
     dev = p.comm.device  # NCCL sends CUDA tensors only
     templates = {
-        k: layer.parts.get(k) or p.method.empty(k, work.a_dim, work.g_dim, dev) for k in names
+        k: layer.parts.get(k)
+        or p.method.empty(k, work.a_dim, work.g_dim, dev, layer.handler.spatial)
+        for k in names
     }
     flat = [(k, n, v) for k in names for n, v in sorted(templates[k].items())]
     # Strides of every tensor, padded to two entries (1-D eigenvalues), from the source in one message.

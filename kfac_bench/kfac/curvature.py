@@ -128,7 +128,13 @@ class Curvature:
                 else:
                     jobs.append((layer, kind, factor))
         batch = self.comm.world_size == 1 and any(f.is_cuda for _, _, f in jobs)
-        results = self.method.decompose([f for _, _, f in jobs], damping, batch)
+        results = self.method.decompose(
+            [f for _, _, f in jobs],
+            damping,
+            batch,
+            previous=[layer.parts.get(kind) for layer, kind, _ in jobs],
+            spatial=[layer.handler.spatial for layer, _, _ in jobs],
+        )
         for (layer, kind, _), res in zip(jobs, results):
             if res is not None:
                 layer.parts[kind] = res
@@ -202,7 +208,9 @@ class Curvature:
             for part in ("a", "g", *self.method.derived):
                 res = layer.parts.get(part)
                 if res is None:
-                    res = self.method.empty(part, work.a_dim, work.g_dim, layer.device)
+                    res = self.method.empty(
+                        part, work.a_dim, work.g_dim, layer.device, layer.handler.spatial
+                    )
                 elif not all(v.is_contiguous() for v in res.values()):
                     # LAPACK returns column-major eigenvectors and collectives send storage order: an owner
                     # sends (and every receiver holds) row-major copies. Only distributed runs pay for it.

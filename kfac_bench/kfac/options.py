@@ -27,10 +27,12 @@ class StrEnum(str, Enum):
 
 
 class ComputeMethod(StrEnum):
-    """How factors become a preconditioner: eigendecompositions (TPDS eq. 11-13) or inverses (eq. 9-10)."""
+    """How factors become a preconditioner: eigendecompositions (TPDS eq. 11-13), inverses (eq. 9-10), or
+    the opt-in low-rank eigendecomposition of large Linear-layer factors (:mod:`.second_order.lowrank`)."""
 
     EIGEN = "eigen"
     INVERSE = "inverse"
+    EIGEN_LOWRANK = "eigen_lowrank"
 
 
 class FactorScaling(StrEnum):

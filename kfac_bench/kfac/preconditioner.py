@@ -28,6 +28,7 @@ from .comm import Communicator, factor_entries
 from .coverage import Coverage
 from .curvature import Curvature
 from .layers import handler_for
+from .layers.base import WeightBiasHandler
 from .log import WarnOnce, logger
 from .options import (
     AssignmentStrategy,
@@ -40,7 +41,7 @@ from .options import (
 )
 from .registration import LayerSpec, ModelScan, log_scan, scan_model
 from .schedules import Scheduled, is_due, resolve
-from .second_order import second_order_method
+from .second_order import RankRule, second_order_method
 from .state import LayerState, memory_by_category
 from .subsample import ExampleSubset, check_fraction
 from .timing import STAGES, StageTimer
@@ -64,7 +65,9 @@ class KFACPreconditioner:
         kl_clip: κ of the gradient scaling ν = min(1, sqrt(κ / |Σ lr²⟨∇̃W, ∇W⟩|)); None disables it.
         lr: the learning rate used by KL clipping, constant or callable.
         accumulation_steps: micro-batches per optimizer step (each loss divided by this number).
-        compute_method: ``'eigen'`` (default, all the paper's results) or ``'inverse'``.
+        compute_method: ``'eigen'`` (default, all the paper's results), ``'inverse'``, or the opt-in
+            approximation ``'eigen_lowrank'`` (top-k eigenpairs of large Linear-layer factors plus one scalar
+            for the rest, warm-started from the previous basis; see ``lowrank_fraction``).
         compute_eigenvalue_outer_product: precompute ``1/(λ_G λ_Aᵀ + γ)`` on decomposition steps (KAISA §4.4);
             needs A and G on the same rank, so it is ignored when ``colocate_factors=False``.
         factor_dtype: dtype of factors (default: float32, or float64 for a float64 model).
@@ -99,6 +102,10 @@ class KFACPreconditioner:
             dict of regexes (``re.search`` on the qualified name) -> dim; layers it does not set keep the
             detected one: 1 for the Linear layers of a sequence-first (``batch_first=False``)
             ``nn.TransformerEncoderLayer``/``DecoderLayer``, else 0. Convolutions take 0 only.
+        lowrank_fraction: with ``compute_method='eigen_lowrank'``, the rank kept of each large Linear-layer
+            factor as a share of its size, in (0, 1] (1: exact); see :mod:`.second_order.lowrank`.
+        lowrank_min_dim: with ``'eigen_lowrank'``, factors smaller than this (and every convolution factor)
+            keep their exact ``eigh``.
 
     Note:
         What the hooks count and when (one micro-batch = one backward pass; eval-mode forwards ignored; AMP)
@@ -147,6 +154,8 @@ class KFACPreconditioner:
         coverage_threshold: float = 0.5,
         factor_batch_fraction: float = 1.0,
         batch_dim: int | Mapping[str, int] | None = None,
+        lowrank_fraction: float = 0.25,
+        lowrank_min_dim: int = 1024,
     ) -> None:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
@@ -175,6 +184,7 @@ class KFACPreconditioner:
             self.compute_method,
             self.inv_dtype,
             compute_eigenvalue_outer_product and colocate_factors,
+            RankRule(lowrank_fraction, lowrank_min_dim),
         )
         self.timer = StageTimer(track_stage_times)
         self._warn = WarnOnce()
@@ -225,7 +235,9 @@ class KFACPreconditioner:
     # ------------------------------------------------------------------ registration and placement
     def _plan(self) -> None:
         """(Re)compute the placement of every layer. Deterministic, so every rank agrees unasked."""
-        shapes = [asg.LayerShape(n, s.a_dim, s.g_dim) for n, s in self.layers.items()]
+        shapes = [
+            asg.LayerShape(n, s.a_dim, s.g_dim, s.handler.spatial) for n, s in self.layers.items()
+        ]
         plan = asg.assign(
             shapes,
             self.comm.world_size,
@@ -233,6 +245,7 @@ class KFACPreconditioner:
             self.assignment_strategy,
             self.colocate_factors,
             self.placement,
+            self.method.decomposition_cost,
         )
         for name, work in plan.items():
             self.layers[name].work = work
@@ -353,6 +366,15 @@ class KFACPreconditioner:
             nu = self._kl_clip_scale(grads, raw, step)
         for name, pg in grads.items():
             layer = self.layers[name]
+            handler = layer.handler
+            if (
+                nu is not None
+                and isinstance(handler, WeightBiasHandler)
+                and type(handler).set_grad is WeightBiasHandler.set_grad
+            ):
+                # Linear/Conv2d: scale while writing, one pass over the gradient.
+                handler.set_grad(layer.module, pg, layer.bias, scale=nu)
+                continue
             if (
                 nu is not None
             ):  # in place: ``pg`` is this step's own buffer (a result or a receive buffer)
@@ -367,10 +389,7 @@ class KFACPreconditioner:
             return None
         kappa = resolve(self.kl_clip, step)
         lr = resolve(self.lr, step)
-        vg = torch.zeros((), dtype=torch.float64, device=next(iter(grads.values())).device)
-        for name, pg in grads.items():
-            vg += _inner(pg, raw[name])
-        vg = vg * lr**2
+        vg = torch.stack([_inner(pg, raw[name]) for name, pg in grads.items()]).sum() * lr**2
         # |vg| = 0 gives sqrt(inf) -> clamped to 1: no scaling, as the reference does.
         return torch.sqrt(kappa / vg.abs()).clamp(max=1.0)
 
@@ -396,9 +415,11 @@ class KFACPreconditioner:
           layer's on every rank with ``factor_reduction='allreduce'``, only the owned ones with ``'reduce'``.
         * ``decompositions``: the second-order parts held on each gradient worker of a layer, in
           ``inv_dtype``: ``d² + d`` per factor for ``eigen`` (eigenvectors, eigenvalues), ``d²`` for
-          ``inverse``, plus the outer products; from the first decomposition step.
+          ``inverse``, ``d·k + k + 1`` for ``eigen_lowrank`` (``k`` its rank, ``d`` where exact), plus the
+          outer products; from the first decomposition step.
         * ``outer_products``: ``eigen`` with ``compute_eigenvalue_outer_product``: ``g_dim·a_dim`` per layer
-          on its gradient workers, in ``inv_dtype`` promoted to at least float32.
+          (``k_g·k_a`` for ``eigen_lowrank``) on its gradient workers, in ``inv_dtype`` promoted to at least
+          float32.
         * ``batch_buffers``: batch factors not yet packed for communication, in ``factor_dtype``: the
           accumulated sums (``d²`` per factor of each layer that ran), ``a_dim²`` per forward call waiting for
           its backward pass and, in a distributed factor step's last backward pass, the normalised factors

@@ -145,7 +145,8 @@ def rank_loads(
     calls = {k: [0] * n for k in WHEN}
     flops = [0.0] * n
     reduce = scenario.reduction is FactorReduction.REDUCE
-    gemm = 4 if settings.compute_method is ComputeMethod.EIGEN else 2  # triple products per step
+    # Triple products per step (eigen_lowrank: at most the eigen method's, for its exact factors).
+    gemm = 2 if settings.compute_method is ComputeMethod.INVERSE else 4
     for w in work.values():
         owned[w.a_owner].append(w.a_dim)
         owned[w.g_owner].append(w.g_dim)

@@ -28,7 +28,7 @@ from kfac_bench.errors import ConfigError, UserError
 from kfac_bench.kfac import ComputeMethod, LayerSpec, ModelScan, scan_model
 from kfac_bench.kfac.options import AssignmentStrategy
 from kfac_bench.kfac.preconditioner import resolve_dtypes
-from kfac_bench.kfac.second_order import SecondOrderMethod, second_order_method
+from kfac_bench.kfac.second_order import RankRule, SecondOrderMethod, second_order_method
 from kfac_bench.models.layer_types import register_harness_layer_types
 
 __all__ = ["EngineSettings", "PlannedModel", "build_meta_model", "engine_settings", "load_recipe"]
@@ -154,6 +154,8 @@ def engine_settings(
     factor_update_steps: int = 1,
     inv_update_steps: int = 1,
     reference_world_size: int | None = None,
+    lowrank_fraction: float = 0.25,
+    lowrank_min_dim: int = 1024,
 ) -> EngineSettings:
     """The settings of ``KFACPreconditioner(model, **same keyword arguments)``, resolved as the engine
     resolves them (dtypes from the model, the second-order method with or without the outer product)."""
@@ -168,7 +170,10 @@ def engine_settings(
         compute_method=method,
         # The preconditioner's own choice: the outer product needs A and G on one rank.
         method=second_order_method(
-            method, inv, compute_eigenvalue_outer_product and colocate_factors
+            method,
+            inv,
+            compute_eigenvalue_outer_product and colocate_factors,
+            RankRule(lowrank_fraction, lowrank_min_dim),
         ),
         colocate_factors=colocate_factors,
         assignment_strategy=AssignmentStrategy.parse(assignment_strategy),
@@ -196,6 +201,8 @@ def _settings(model: nn.Module, kfac: Any) -> EngineSettings:
         factor_update_steps=int(kfac.factor_update_steps),
         inv_update_steps=int(kfac.inv_update_steps),
         reference_world_size=kfac.reference_world_size,
+        lowrank_fraction=float(kfac.lowrank_fraction),
+        lowrank_min_dim=int(kfac.lowrank_min_dim),
     )
 
 

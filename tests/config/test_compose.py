@@ -129,7 +129,7 @@ def test_default_job_is_digits_with_kfac() -> None:
         (["model=nope"], "unknown model 'nope'; valid names: "),
         (["dataset=nope"], "unknown dataset 'nope'; valid names: "),
         (["kfac=bogus"], "unknown kfac 'bogus'; valid names: comm_opt, hybrid_opt, mem_opt, none"),
-        (["kfac.compute_method=svd"], "expected one of [eigen, inverse]"),
+        (["kfac.compute_method=svd"], "expected one of [eigen, inverse, eigen_lowrank]"),
         (["train.epochs=abc"], "invalid override 'train.epochs=abc'"),
     ],
 )

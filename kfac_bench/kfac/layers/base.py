@@ -110,16 +110,32 @@ class WeightBiasHandler:
             g = torch.cat([g, bg.reshape(-1, 1).to(g.dtype)], dim=1)
         return g
 
-    def set_grad(self, module: nn.Module, grad: torch.Tensor, bias: bool) -> None:
+    def set_grad(
+        self, module: nn.Module, grad: torch.Tensor, bias: bool, scale: torch.Tensor | None = None
+    ) -> None:
+        """Write ``grad`` (times the device scalar ``scale``, in the same pass, when given) into the
+        weight and bias ``.grad``: straight into the matrix view of the weight gradient when it has one,
+        so a block with a bias column costs one strided pass, not a reshape copy and a copy."""
         w, b = self.parameters(module)
         n_w = grad.shape[1] - int(bias)
         assert w.grad is not None
-        w.grad.copy_(self.weight_from_matrix(grad[:, :n_w], w))
+        src, dst = grad[:, :n_w], self.weight_matrix(w.grad)
+        if dst.untyped_storage().data_ptr() != w.grad.untyped_storage().data_ptr():
+            # The matrix view had to copy (e.g. a channels_last weight): write in the weight's shape.
+            src, dst = self.weight_from_matrix(src, w), w.grad
+        _write(dst, src, scale)
         if bias:
             assert b is not None
             if b.grad is None:
                 b.grad = torch.empty_like(b)
-            b.grad.copy_(grad[:, n_w])
+            _write(b.grad, grad[:, n_w], scale)
+
+
+def _write(dst: torch.Tensor, src: torch.Tensor, scale: torch.Tensor | None) -> None:
+    if scale is None:
+        dst.copy_(src)
+    else:
+        torch.mul(src, scale.to(src.dtype), out=dst)
 
 
 def gram_with_ones(rows: torch.Tensor, bias: bool) -> torch.Tensor:

@@ -19,8 +19,9 @@ from typing import Protocol
 import torch
 
 from ..options import ComputeMethod
-from . import eigen, inverse
+from . import eigen, inverse, lowrank
 from ._robust import Result, compute_dtype
+from .lowrank import RankRule
 
 Parts = dict[str, Result]
 
@@ -34,17 +35,30 @@ class SecondOrderMethod(Protocol):
         ...
 
     def decompose(
-        self, factors: Sequence[torch.Tensor], damping: float, batch_equal_sizes: bool
+        self,
+        factors: Sequence[torch.Tensor],
+        damping: float,
+        batch_equal_sizes: bool,
+        previous: Sequence[Result | None] | None = None,
+        spatial: Sequence[bool] | None = None,
     ) -> list[Result | None]:
-        """The ``"a"``/``"g"`` part of each factor; None where it failed even in float64."""
+        """The ``"a"``/``"g"`` part of each factor; None where it failed even in float64. ``previous``: each
+        factor's last part on this rank (a warm start), ``spatial``: whether its layer's positions are
+        spatial (a convolution); only methods that use them read them."""
         ...
 
     def derive(self, a: Result, g: Result, damping: float) -> Parts:
         """The derived parts of a layer from its two decompositions (``{}`` if the method has none)."""
         ...
 
-    def empty(self, part: str, a_dim: int, g_dim: int, device: torch.device) -> Result:
+    def empty(
+        self, part: str, a_dim: int, g_dim: int, device: torch.device, spatial: bool = False
+    ) -> Result:
         """Uninitialised tensors shaped like ``part`` of an ``(a_dim, g_dim)`` layer, to receive into."""
+        ...
+
+    def decomposition_cost(self, n: int, spatial: bool) -> float:
+        """Relative time of decomposing an n×n factor (``n³`` for a dense one), for placement."""
         ...
 
     def precondition(
@@ -70,14 +84,21 @@ class EigenMethod:
         return ("outer",) if self.outer else ()
 
     def decompose(
-        self, factors: Sequence[torch.Tensor], damping: float, batch_equal_sizes: bool
+        self,
+        factors: Sequence[torch.Tensor],
+        damping: float,
+        batch_equal_sizes: bool,
+        previous: Sequence[Result | None] | None = None,
+        spatial: Sequence[bool] | None = None,
     ) -> list[Result | None]:
         return eigen.decompose(factors, self.dtype, batch_equal_sizes)
 
     def derive(self, a: Result, g: Result, damping: float) -> Parts:
         return {"outer": {"outer": eigen.inverse_outer(a, g, damping)}} if self.outer else {}
 
-    def empty(self, part: str, a_dim: int, g_dim: int, device: torch.device) -> Result:
+    def empty(
+        self, part: str, a_dim: int, g_dim: int, device: torch.device, spatial: bool = False
+    ) -> Result:
         if part == "outer":
             dt = compute_dtype(self.dtype)  # see eigen.inverse_outer
             return {"outer": torch.empty(g_dim, a_dim, dtype=dt, device=device)}
@@ -93,6 +114,9 @@ class EigenMethod:
         outer = parts["outer"]["outer"] if self.outer else None
         return eigen.precondition(grad, parts["a"], parts["g"], damping, outer)
 
+    def decomposition_cost(self, n: int, spatial: bool) -> float:
+        return float(n) ** 3
+
 
 @dataclass(frozen=True)
 class InverseMethod:
@@ -105,14 +129,21 @@ class InverseMethod:
         return ()
 
     def decompose(
-        self, factors: Sequence[torch.Tensor], damping: float, batch_equal_sizes: bool
+        self,
+        factors: Sequence[torch.Tensor],
+        damping: float,
+        batch_equal_sizes: bool,
+        previous: Sequence[Result | None] | None = None,
+        spatial: Sequence[bool] | None = None,
     ) -> list[Result | None]:
         return inverse.decompose(factors, self.dtype, damping, batch_equal_sizes)
 
     def derive(self, a: Result, g: Result, damping: float) -> Parts:
         return {}
 
-    def empty(self, part: str, a_dim: int, g_dim: int, device: torch.device) -> Result:
+    def empty(
+        self, part: str, a_dim: int, g_dim: int, device: torch.device, spatial: bool = False
+    ) -> Result:
         dim = a_dim if part == "a" else g_dim
         return {"inverse": torch.empty(dim, dim, dtype=self.dtype, device=device)}
 
@@ -121,11 +152,73 @@ class InverseMethod:
     ) -> torch.Tensor:
         return inverse.precondition(grad, parts["a"], parts["g"])
 
+    def decomposition_cost(self, n: int, spatial: bool) -> float:
+        return float(n) ** 3
+
+
+@dataclass(frozen=True)
+class EigenLowRankMethod:
+    """``(Â ⊗ Ĝ + γI)⁻¹ vec(∇W)`` with large non-spatial factors kept as their top-k eigenpairs plus one
+    scalar (see :mod:`.lowrank`); ``k = rule.rank(n, spatial)``, exact ``eigh`` where ``k = n``."""
+
+    dtype: torch.dtype
+    rule: RankRule
+    outer: bool = True
+
+    @property
+    def derived(self) -> tuple[str, ...]:
+        return ("outer",) if self.outer else ()
+
+    def decompose(
+        self,
+        factors: Sequence[torch.Tensor],
+        damping: float,
+        batch_equal_sizes: bool,
+        previous: Sequence[Result | None] | None = None,
+        spatial: Sequence[bool] | None = None,
+    ) -> list[Result | None]:
+        return lowrank.decompose(
+            factors,
+            self.dtype,
+            self.rule,
+            previous if previous is not None else [None] * len(factors),
+            spatial if spatial is not None else [False] * len(factors),
+            batch_equal_sizes,
+        )
+
+    def derive(self, a: Result, g: Result, damping: float) -> Parts:
+        return {"outer": {"outer": lowrank.inverse_outer(a, g, damping)}} if self.outer else {}
+
+    def empty(
+        self, part: str, a_dim: int, g_dim: int, device: torch.device, spatial: bool = False
+    ) -> Result:
+        ka, kg = self.rule.rank(a_dim, spatial), self.rule.rank(g_dim, spatial)
+        if part == "outer":
+            return {"outer": torch.empty(kg, ka, dtype=compute_dtype(self.dtype), device=device)}
+        dim, k = (a_dim, ka) if part == "a" else (g_dim, kg)
+        return lowrank.empty(dim, k, self.dtype, device)
+
+    def precondition(
+        self, grad: torch.Tensor, parts: Mapping[str, Result], damping: float
+    ) -> torch.Tensor:
+        outer = parts["outer"]["outer"] if self.outer else None
+        return lowrank.precondition(grad, parts["a"], parts["g"], damping, outer)
+
+    def decomposition_cost(self, n: int, spatial: bool) -> float:
+        return self.rule.decomposition_cost(n, spatial)
+
 
 def second_order_method(
-    method: ComputeMethod | str, dtype: torch.dtype, eigenvalue_outer_product: bool
+    method: ComputeMethod | str,
+    dtype: torch.dtype,
+    eigenvalue_outer_product: bool,
+    rule: RankRule | None = None,
 ) -> SecondOrderMethod:
-    """The method object for a :class:`ComputeMethod` (chosen once, at construction)."""
-    if ComputeMethod.parse(method) is ComputeMethod.EIGEN:
+    """The method object for a :class:`ComputeMethod` (chosen once, at construction); ``rule``: the rank
+    rule of ``eigen_lowrank`` (default :class:`RankRule`)."""
+    parsed = ComputeMethod.parse(method)
+    if parsed is ComputeMethod.EIGEN:
         return EigenMethod(dtype, eigenvalue_outer_product)
+    if parsed is ComputeMethod.EIGEN_LOWRANK:
+        return EigenLowRankMethod(dtype, rule or RankRule(), eigenvalue_outer_product)
     return InverseMethod(dtype)
