@@ -159,7 +159,7 @@ class LRScheduleConfig:
 class KFACConfig:
     """``kfac/``: whether and how K-FAC preconditions the gradients.
 
-    The fields from ``factor_update_steps`` to ``factor_batch_fraction`` are the engine's keyword arguments,
+    The fields from ``factor_update_steps`` to ``factor_position_fraction`` are the engine's keyword arguments,
     same names and meaning (see ``KFACPreconditioner``). ``grad_worker_fraction`` is a number in (0, 1]
     or one of ``comm_opt`` (1), ``mem_opt`` (1/world size), ``hybrid_opt``.
 
@@ -198,6 +198,7 @@ class KFACConfig:
     track_stage_times: bool = True
     coverage_threshold: float = bounded(0.5, ge=0, le=1)
     factor_batch_fraction: float = bounded(1.0, gt=0, le=1)
+    factor_position_fraction: float = bounded(1.0, gt=0, le=1)
     damping_decay_epochs: List[int] = field(default_factory=list)
     damping_decay_factor: float = bounded(0.5, gt=0)
     update_interval_decay_epochs: List[int] = field(default_factory=list)

@@ -40,7 +40,7 @@ import torch
 from .factors import fold
 from .options import FactorScaling
 from .state import Call, LayerState
-from .subsample import ExampleSubset
+from .subsample import ExampleSubset, PositionSubset
 from .timing import StageTimer
 
 
@@ -77,6 +77,7 @@ class Capture:
         on_final: Callable[[LayerState], None],
         timer: StageTimer,
         subset: ExampleSubset | None = None,
+        positions: PositionSubset | None = None,
     ) -> None:
         self.layers = layers
         self.factor_dtype = factor_dtype
@@ -87,6 +88,8 @@ class Capture:
         self.timer = timer
         #: Factors from part of each batch (``factor_batch_fraction`` < 1); None: every example.
         self.subset = subset
+        #: Conv factors from part of the output positions (``factor_position_fraction`` < 1); None: all.
+        self.positions = positions
         self.collecting = False
         #: Backward passes that reached the layers since the last ``step()`` (while collecting).
         self.backwards = 0
@@ -128,10 +131,21 @@ class Capture:
             if self.subset is not None:
                 rows = self.subset.rows(x, self.backwards, layer.handler.spatial)
                 x = x if rows is None else x.index_select(0, rows)
+            pos = self._position_rows(layer, output)
             with self.timer("factor", sync=False), _no_autocast(x.device.type):
-                call = Call(
-                    layer.handler.a_gram(module, x, self.factor_dtype, layer.bias), rows=rows
-                )
+                if pos is None:
+                    a = layer.handler.a_gram(module, x, self.factor_dtype, layer.bias)
+                else:
+                    a = PositionSubset.a_gram(
+                        layer.handler,
+                        module,
+                        x,
+                        self.factor_dtype,
+                        layer.bias,
+                        pos,
+                        output.shape[-2],
+                    )
+                call = Call(a, rows=rows, positions=pos)
             layer.calls.append(call)
             # A prehook on the node that produced the output sees dL/d(output) even when the output
             # is later modified in place (e.g. an inplace ReLU), unlike a tensor hook. It refers to the
@@ -142,6 +156,12 @@ class Capture:
             )
 
         return hook
+
+    def _position_rows(self, layer: LayerState, output: torch.Tensor) -> torch.Tensor | None:
+        """The output rows a conv call's factors use (``factor_position_fraction``); None: all."""
+        if self.positions is None or output.dim() < 3 or not self.positions.applies(layer.handler):
+            return None
+        return self.positions.rows(layer.name, self.backwards, output.shape[-2], output.device)
 
     def _grad_hook(
         self, layer: LayerState, ref: weakref.ref[Call], index: int
@@ -162,7 +182,12 @@ class Capture:
                     weight = self.subset.g_weight(g.shape[0], call.rows.numel())
                     g = g.index_select(0, call.rows)
                 with self.timer("factor", sync=False), _no_autocast(g.device.type):
-                    gram = layer.handler.g_gram(layer.module, g, self.factor_dtype)
+                    if call.positions is None:
+                        gram = layer.handler.g_gram(layer.module, g, self.factor_dtype)
+                    else:
+                        gram = PositionSubset.g_gram(
+                            layer.handler, layer.module, g, self.factor_dtype, call.positions
+                        )
                     scale = self._loss_scale()
                     if scale is not None:
                         gram = gram._replace(sum=gram.sum / scale**2)

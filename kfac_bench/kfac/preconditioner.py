@@ -40,7 +40,7 @@ from .registration import log_scan, scan_model
 from .schedules import Scheduled, is_due, resolve
 from .second_order import second_order_method
 from .state import LayerState, memory_by_category
-from .subsample import ExampleSubset, check_fraction
+from .subsample import ExampleSubset, PositionSubset, check_fraction
 from .timing import STAGES, StageTimer
 
 __all__ = ["STAGES", "KFACPreconditioner", "resolve_dtypes"]
@@ -91,6 +91,9 @@ class KFACPreconditioner:
         factor_batch_fraction: share of each micro-batch's examples the factor statistics are computed
             from, in (0, 1]; 1 (default) is exact, less is an opt-in approximation whose noise the running
             average absorbs, for a factor stage about that much cheaper (:mod:`kfac_bench.kfac.subsample`).
+        factor_position_fraction: share of the rows of output positions of each convolution call the
+            factor statistics are computed from, in (0, 1]; 1 (default) is exact, less an opt-in unbiased
+            estimate (same module); layers without positions are unaffected.
 
     Note:
         What the hooks count and when (one micro-batch = one backward pass; eval-mode forwards ignored; AMP)
@@ -132,6 +135,7 @@ class KFACPreconditioner:
         process_group: dist.ProcessGroup | None = None,
         coverage_threshold: float = 0.5,
         factor_batch_fraction: float = 1.0,
+        factor_position_fraction: float = 1.0,
     ) -> None:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
@@ -195,6 +199,7 @@ class KFACPreconditioner:
             on_final=self.curvature.factors_final,
             timer=self.timer,
             subset=self._example_subset(factor_batch_fraction),
+            positions=self._position_subset(factor_position_fraction),
         )
         self.capture.start_step(is_due(self.factor_update_steps, 0))
 
@@ -204,6 +209,13 @@ class KFACPreconditioner:
         if self.factor_batch_fraction == 1.0:
             return None
         return ExampleSubset(self.factor_batch_fraction, self.factor_scaling, lambda: self.steps)
+
+    def _position_subset(self, fraction: float) -> PositionSubset | None:
+        """The subset rule of ``factor_position_fraction`` (None for 1: the exact path, untouched)."""
+        self.factor_position_fraction = check_fraction(fraction, "factor_position_fraction")
+        if self.factor_position_fraction == 1.0:
+            return None
+        return PositionSubset(self.factor_position_fraction, lambda: self.steps)
 
     # ------------------------------------------------------------------ registration and placement
     def _plan(self) -> None:

@@ -44,6 +44,8 @@ class Call:
     done: bool = False
     # The examples its factors use (``factor_batch_fraction`` < 1, see :mod:`.subsample`); None: all.
     rows: torch.Tensor | None = None
+    # The rows of output positions its factors use (``factor_position_fraction`` < 1); None: all.
+    positions: torch.Tensor | None = None
 
 
 @dataclass

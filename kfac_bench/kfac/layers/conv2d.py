@@ -32,14 +32,7 @@ class Conv2dHandler(WeightBiasHandler):
 
     def a_gram(self, module: nn.Module, x: torch.Tensor, dtype: torch.dtype, bias: bool) -> Gram:
         assert isinstance(module, nn.Conv2d)
-        if x.dim() == 3:
-            x = x.unsqueeze(0)
-        x = x.to(dtype)
-        # F.pad order: (left, right, top, bottom); nn.Conv2d stores it for every padding kind.
-        left, right, top, bottom = module._reversed_padding_repeated_twice
-        if module.padding_mode != "zeros":
-            x = F.pad(x, (left, right, top, bottom), mode=module.padding_mode)
-            left = right = top = bottom = 0
+        x, (top, bottom, left, right) = self._padded(module, x, dtype)
         kh, kw = module.kernel_size
         sh, sw = module.stride
         dh, dw = module.dilation
@@ -54,6 +47,56 @@ class Conv2dHandler(WeightBiasHandler):
             bias=bias,
         )
         return Gram(a, x.shape[0], out_h * out_w)
+
+    def a_gram_rows(
+        self, module: nn.Module, x: torch.Tensor, dtype: torch.dtype, bias: bool, rows: torch.Tensor
+    ) -> Gram:
+        """Like :meth:`a_gram`, over the output positions of the output rows ``rows`` only (sorted
+        indices; ``factor_position_fraction``, :mod:`kfac_bench.kfac.subsample`).
+
+        The patches of one output row read a strip of ``dh·(kh-1)+1`` rows of the (top/bottom padded)
+        input; the strips of the drawn rows become the examples of one input of that height, whose factor
+        is the same exact kernel's with one output row each.
+        """
+        assert isinstance(module, nn.Conv2d)
+        x, (top, bottom, left, right) = self._padded(module, x, dtype)
+        kh, kw = module.kernel_size
+        sh, sw = module.stride
+        dh, dw = module.dilation
+        if top or bottom:
+            x = F.pad(x, (0, 0, top, bottom))
+        span = dh * (kh - 1) + 1
+        n, c, _, width = x.shape
+        k = rows.numel()
+        index = (rows.reshape(-1, 1) * sh + torch.arange(span, device=rows.device)).reshape(-1)
+        strips = x.index_select(2, index).reshape(n, c, k, span, width).transpose(1, 2)
+        strips = strips.reshape(n * k, c, span, width)
+        a = conv2d_a_factor(
+            strips,
+            kernel_size=(kh, kw),
+            stride=(sh, sw),
+            padding=(0, 0, left, right),
+            dilation=(dh, dw),
+            bias=bias,
+        )
+        out_w = (width + left + right - dw * (kw - 1) - 1) // sw + 1
+        return Gram(a, n, k * out_w)
+
+    @staticmethod
+    def _padded(
+        module: nn.Module, x: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+        """``x`` as a batch in ``dtype``, padded here unless its padding is zeros, and the zero padding
+        ``(top, bottom, left, right)`` still to apply."""
+        if x.dim() == 3:
+            x = x.unsqueeze(0)
+        x = x.to(dtype)
+        # F.pad order: (left, right, top, bottom); nn.Conv2d stores it for every padding kind.
+        left, right, top, bottom = module._reversed_padding_repeated_twice
+        if module.padding_mode != "zeros":
+            x = F.pad(x, (left, right, top, bottom), mode=module.padding_mode)
+            left = right = top = bottom = 0
+        return x, (top, bottom, left, right)
 
     def g_gram(self, module: nn.Module, g: torch.Tensor, dtype: torch.dtype) -> Gram:
         if g.dim() == 3:
