@@ -84,7 +84,7 @@ class Conv2dHandler(WeightBiasHandler):
 
     @staticmethod
     def _padded(
-        module: nn.Module, x: torch.Tensor, dtype: torch.dtype
+        module: nn.Conv2d, x: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
         """``x`` as a batch in ``dtype``, padded here unless its padding is zeros, and the zero padding
         ``(top, bottom, left, right)`` still to apply."""
