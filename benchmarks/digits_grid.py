@@ -115,12 +115,20 @@ class Arm:
     factor_update_steps: int = 2
     inv_update_steps: int = 10
     damping: float = 0.003
+    #: Factors from this share of each batch's examples / of each conv's output rows (1: exact).
+    factor_batch_fraction: float = 1.0
+    factor_position_fraction: float = 1.0
 
     @property
     def label(self) -> str:
         if not self.kfac:
             return "sgd"
-        return f"kfac {self.factor_update_steps}/{self.inv_update_steps} d{self.damping:g}"
+        label = f"kfac {self.factor_update_steps}/{self.inv_update_steps} d{self.damping:g}"
+        if self.factor_batch_fraction != 1.0:
+            label += f" b{self.factor_batch_fraction:g}"
+        if self.factor_position_fraction != 1.0:
+            label += f" p{self.factor_position_fraction:g}"
+        return label
 
     def kfac_config(self, setting: Setting) -> KFACConfig:
         return KFACConfig(
@@ -130,6 +138,8 @@ class Arm:
             damping=self.damping,
             factor_decay=setting.factor_decay,
             kl_clip=setting.kl_clip,
+            factor_batch_fraction=self.factor_batch_fraction,
+            factor_position_fraction=self.factor_position_fraction,
         )
 
 
