@@ -86,7 +86,6 @@ RESNET_VARIANTS: tuple[Variant, ...] = (
     Variant("kfac b0.25", factor_batch_fraction=0.25),
     Variant("kfac p0.5", factor_position_fraction=0.5),
     Variant("kfac p0.25", factor_position_fraction=0.25),
-    Variant("kfac b0.5 p0.5", factor_batch_fraction=0.5, factor_position_fraction=0.5),
 )
 
 
@@ -255,7 +254,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--part", choices=["all", "digits", "resnet"], default="all")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    ap.add_argument("--resnet-steps", type=int, default=20)
+    ap.add_argument("--resnet-steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
     return ap.parse_args(argv)
 

@@ -24,10 +24,13 @@ With ``fraction = 1`` nothing is drawn and the path is the exact one, bit for bi
 are sums over positions, Grosse & Martens 2016; a random subset of them estimates those sums without
 bias). What the hooks do with ``fraction < 1`` for a layer whose handler has ``a_gram_rows`` (``nn.Conv2d``):
 
-* each call draws ``k = max(1, round(fraction·H_out))`` of the ``H_out`` *rows* of output positions
-  (every column of a drawn row), without replacement. Whole rows keep the input factor's structure: the
-  patches of a row are a strip of ``dh·(kh-1)+1`` input rows, so A of the drawn rows costs about the
-  fraction of A of all rows with the same exact kernels, and no patch tensor is built;
+* each call draws a cyclic block of ``k = max(1, round(fraction·H_out))`` consecutive *rows* of output
+  positions (every column of a drawn row): a start row ``r`` uniform in ``[0, H_out)``, the rows
+  ``r, r+1, …, r+k-1`` modulo ``H_out``, so every row is drawn with probability ``k/H_out``. A run of
+  consecutive output rows reads one band of input rows, so A of the block is the same exact kernel on at
+  most two slices of the input, about the fraction of its cost on large maps (measured on one CPU thread:
+  0.25 of the rows of ResNet-32's 32x32 stage cost 0.25x, 16x16 0.34x; on 8x8 maps ~1x: no gain there).
+  Rows drawn independently would cost *more* than every row (one slice per row);
 * A and G of the call use the same rows (G: the output gradient's rows ``index_select``-ed), so the pair
   describes the same positions;
 * both sums are multiplied by ``H_out/k``, and the call keeps its full position count ``T``: every position
@@ -131,7 +134,13 @@ class PositionSubset:
             name.encode()
         )
         g = torch.Generator().manual_seed(seed % 2**62)
-        return torch.randperm(out_h, generator=g)[:k].sort().values.to(device)
+        start = int(torch.randint(out_h, (1,), generator=g))
+        return self.block(out_h, k, start).to(device)
+
+    @staticmethod
+    def block(out_h: int, k: int, start: int) -> torch.Tensor:
+        """The sorted rows ``start, …, start+k-1`` modulo ``out_h``: the draw with that start row."""
+        return ((torch.arange(k) + start) % out_h).sort().values
 
     @staticmethod
     def a_gram(

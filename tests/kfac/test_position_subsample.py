@@ -6,7 +6,6 @@ over every possible draw is the exact factor; A and G of a call use the same row
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import pytest
@@ -55,15 +54,18 @@ def test_rows_gram_is_the_gram_of_the_patches_of_those_rows(name: str) -> None:
     bias = conv.bias is not None
     if bias:
         p = torch.cat([p, torch.ones(*p.shape[:3], 1, dtype=D)], dim=3)
-    rows = torch.tensor([0, 2, p.shape[1] - 1])
-    sel = p[:, rows].reshape(-1, p.shape[3])
-    gram = HANDLER.a_gram_rows(conv, x, D, bias, rows)
-    torch.testing.assert_close(gram.sum, sel.t() @ sel, rtol=1e-12, atol=1e-10)
-    assert (gram.examples, gram.positions) == (5, 3 * p.shape[2])
+    last = p.shape[1] - 1
+    for rows in ([0, 2, last], [1, 2, 3], [0, 1, last - 1, last], list(range(last + 1))):
+        sel = p[:, rows].reshape(-1, p.shape[3])
+        gram = HANDLER.a_gram_rows(conv, x, D, bias, torch.tensor(rows))
+        torch.testing.assert_close(gram.sum, sel.t() @ sel, rtol=1e-12, atol=1e-10)
+        assert (gram.examples, gram.positions) == (5, len(rows) * p.shape[2])
 
 
 @pytest.mark.parametrize("name", ["3x3 pad 1", "stride 2", "same, even kernel"])
 def test_the_average_over_every_draw_is_the_exact_factor(name: str) -> None:
+    """The rule draws a cyclic block of k rows from a uniform start row: averaged over the H_out starts,
+    the scaled factors of the blocks are the exact factors, for every k."""
     conv = CONVS[name]().to(D)
     x = torch.randn(4, 3, 8, 8, dtype=D)
     out = conv(x)
@@ -72,7 +74,7 @@ def test_the_average_over_every_draw_is_the_exact_factor(name: str) -> None:
     exact_a = HANDLER.a_gram(conv, x, D, bias)
     exact_g = HANDLER.g_gram(conv, g, D)
     for k in range(1, out_h):
-        draws = [torch.tensor(s) for s in itertools.combinations(range(out_h), k)]
+        draws = [PositionSubset.block(out_h, k, start) for start in range(out_h)]
         a = [PositionSubset.a_gram(HANDLER, conv, x, D, bias, r, out_h) for r in draws]
         gg = [PositionSubset.g_gram(HANDLER, conv, g, D, r) for r in draws]
         assert {(q.examples, q.positions) for q in a + gg} == {(4, exact_a.positions)}

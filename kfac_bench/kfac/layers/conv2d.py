@@ -54,33 +54,35 @@ class Conv2dHandler(WeightBiasHandler):
         """Like :meth:`a_gram`, over the output positions of the output rows ``rows`` only (sorted
         indices; ``factor_position_fraction``, :mod:`kfac_bench.kfac.subsample`).
 
-        The patches of one output row read a strip of ``dh·(kh-1)+1`` rows of the (top/bottom padded)
-        input; the strips of the drawn rows become the examples of one input of that height, whose factor
-        is the same exact kernel's with one output row each.
+        A run of consecutive output rows reads one band of input rows (``dh·(kh-1)+1`` more than the
+        run's stride-spaced rows): its factor is the same exact kernel's on that slice of the input, with
+        the top/bottom zero padding the band actually touches. No copy of the input is made for a slice.
         """
         assert isinstance(module, nn.Conv2d)
-        x, (top, bottom, left, right) = self._padded(module, x, dtype)
+        x, (top, _, left, right) = self._padded(module, x, dtype)
         kh, kw = module.kernel_size
         sh, sw = module.stride
         dh, dw = module.dilation
-        if top or bottom:
-            x = F.pad(x, (0, 0, top, bottom))
         span = dh * (kh - 1) + 1
-        n, c, _, width = x.shape
-        k = rows.numel()
-        index = (rows.reshape(-1, 1) * sh + torch.arange(span, device=rows.device)).reshape(-1)
-        strips = x.index_select(2, index).reshape(n, c, k, span, width).transpose(1, 2)
-        strips = strips.reshape(n * k, c, span, width)
-        a = conv2d_a_factor(
-            strips,
-            kernel_size=(kh, kw),
-            stride=(sh, sw),
-            padding=(0, 0, left, right),
-            dilation=(dh, dw),
-            bias=bias,
-        )
-        out_w = (width + left + right - dw * (kw - 1) - 1) // sw + 1
-        return Gram(a, n, k * out_w)
+        height = x.shape[2]
+        total: torch.Tensor | None = None
+        for first, last in _runs(rows.tolist()):
+            lo = (
+                first * sh - top
+            )  # input rows [lo, hi) of the padded-coordinates band, unpadded here
+            hi = last * sh - top + span
+            part = conv2d_a_factor(
+                x[:, :, max(lo, 0) : min(hi, height)],
+                kernel_size=(kh, kw),
+                stride=(sh, sw),
+                padding=(max(-lo, 0), max(hi - height, 0), left, right),
+                dilation=(dh, dw),
+                bias=bias,
+            )
+            total = part if total is None else total.add_(part)
+        assert total is not None
+        out_w = (x.shape[3] + left + right - dw * (kw - 1) - 1) // sw + 1
+        return Gram(total, x.shape[0], rows.numel() * out_w)
 
     @staticmethod
     def _padded(
@@ -113,6 +115,17 @@ class Conv2dHandler(WeightBiasHandler):
         # the N·C² sum would cost more than the copy).
         rows = g.transpose(0, 1).reshape(c, -1)
         return Gram(rows @ rows.t(), n, h * w)
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """``(first, last)`` of each run of consecutive values of the sorted ``rows``."""
+    runs: list[tuple[int, int]] = []
+    for r in rows:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], r)
+        else:
+            runs.append((r, r))
+    return runs
 
 
 #: Output positions per channel from which the conv G factor takes the batched product (measured on CPU:
