@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import sys
 import time
@@ -256,6 +257,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--resnet-steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", help="write every run / step measurement here as JSON")
     return ap.parse_args(argv)
 
 
@@ -264,9 +266,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
+    payload: dict[str, Any] = {"threads": args.threads, "torch": torch.__version__}
     try:
         if args.part in ("all", "digits"):
             results = digits_study(DIGITS_ARMS, args.seeds, Setting(), log=sys.stderr)
+            payload["digits"] = [r.row() for r in results]
             print(f"Digits, {len(args.seeds)} seeds (SGD LR {SGD_LR}, K-FAC LR {KFAC_LR}):\n")
             print(digits_table(results))
             print()
@@ -278,8 +282,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             print(resnet_table(stats))
             print()
+            payload["resnet"] = stats
     finally:
         torch.set_num_threads(threads)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(payload, fh, indent=2)
     print(f"{time.perf_counter() - started:.0f} s ({args.threads} thread(s))")
     return 0
 
