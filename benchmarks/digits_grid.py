@@ -9,7 +9,9 @@ target (evaluation excluded, as the harness's ``train_time_to_target_s``), mean 
 the lowest accuracy after the target was first reached; then (:mod:`benchmarks.digits_report`) the median
 [min-max] over seeds, each arm's best LR and each K-FAC arm at its best LR against SGD at its best LR, with
 K-FAC's step-time ratio measured on runs that ran back to back. ``--sgd-lrs`` / ``--kfac-lrs`` rerun each
-arm at its best LR only (what ``kfac-bench demo`` runs): ``--sgd-lrs 0.1 --kfac-lrs 0.8``.
+arm at its best LR only: ``--sgd-lrs 0.1 --kfac-lrs 0.8``; with ``--kfac-cadences 1/10
+--factor-batch-fraction 0.25`` the K-FAC arm is the one ``kfac-bench demo`` runs (recipes/digits.yaml; the
+grid chose the LRs with the exact 2/10 arm, and ``python -m benchmarks.subsample_study`` compares the two).
 
 The run is built from the harness's own parts, so its numbers carry over to ``kfac-bench train``:
 ``build_digits`` (the recipe's validation split), ``build_small_cnn``, ``build_loaders`` (the sampler and its
@@ -115,12 +117,20 @@ class Arm:
     factor_update_steps: int = 2
     inv_update_steps: int = 10
     damping: float = 0.003
+    #: Factors from this share of each batch's examples / of each conv's output rows (1: exact).
+    factor_batch_fraction: float = 1.0
+    factor_position_fraction: float = 1.0
 
     @property
     def label(self) -> str:
         if not self.kfac:
             return "sgd"
-        return f"kfac {self.factor_update_steps}/{self.inv_update_steps} d{self.damping:g}"
+        label = f"kfac {self.factor_update_steps}/{self.inv_update_steps} d{self.damping:g}"
+        if self.factor_batch_fraction != 1.0:
+            label += f" b{self.factor_batch_fraction:g}"
+        if self.factor_position_fraction != 1.0:
+            label += f" p{self.factor_position_fraction:g}"
+        return label
 
     def kfac_config(self, setting: Setting) -> KFACConfig:
         return KFACConfig(
@@ -130,6 +140,8 @@ class Arm:
             damping=self.damping,
             factor_decay=setting.factor_decay,
             kl_clip=setting.kl_clip,
+            factor_batch_fraction=self.factor_batch_fraction,
+            factor_position_fraction=self.factor_position_fraction,
         )
 
 
@@ -320,6 +332,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="factor/decomposition intervals of the K-FAC arms, e.g. 1/10 2/20",
     )
     ap.add_argument("--damping", type=float, nargs="+", default=[0.003])
+    ap.add_argument(
+        "--factor-batch-fraction",
+        type=float,
+        default=1.0,
+        help="K-FAC arms: factors from this share of each batch (1: exact)",
+    )
     ap.add_argument("--epochs", type=int, default=d.epochs)
     ap.add_argument("--warmup-epochs", type=float, default=d.warmup_epochs)
     ap.add_argument("--milestones", type=float, nargs="*", default=list(d.milestones))
@@ -351,7 +369,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         target=args.target,
     )
     arms = [] if args.no_sgd else [Arm(kfac=False)]
-    arms += [Arm(True, f, i, d) for f, i in args.kfac_cadences for d in args.damping]
+    arms += [
+        Arm(True, f, i, d, factor_batch_fraction=args.factor_batch_fraction)
+        for f, i in args.kfac_cadences
+        for d in args.damping
+    ]
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     started = time.perf_counter()

@@ -177,10 +177,10 @@ class LRScheduleConfig:
 class KFACConfig:
     """``kfac/``: whether and how K-FAC preconditions the gradients.
 
-    The fields from ``factor_update_steps`` to ``lowrank_min_dim`` are the engine's keyword arguments, same
-    names and meaning (see ``KFACPreconditioner``; ``batch_dim`` as regex -> dim, empty: detected).
-    ``grad_worker_fraction`` is a number in (0, 1] or one of ``comm_opt`` (1), ``mem_opt`` (1/world size),
-    ``hybrid_opt``.
+    The fields from ``factor_update_steps`` to ``factor_position_fraction`` are the engine's keyword
+    arguments, same names and meaning (see ``KFACPreconditioner``; ``batch_dim`` as regex -> dim, empty:
+    detected). ``grad_worker_fraction`` is a number in (0, 1] or one of ``comm_opt`` (1), ``mem_opt``
+    (1/world size), ``hybrid_opt``.
 
     Harness-only fields:
         enabled: False is the first-order baseline (``kfac=none``): same loop, data order and metrics.
@@ -220,6 +220,7 @@ class KFACConfig:
     batch_dim: Dict[str, int] = field(default_factory=dict)
     lowrank_fraction: float = bounded(0.25, gt=0, le=1)
     lowrank_min_dim: int = bounded(1024, ge=1)
+    factor_position_fraction: float = bounded(1.0, gt=0, le=1)
     damping_decay_epochs: List[int] = field(default_factory=list)
     damping_decay_factor: float = bounded(0.5, gt=0)
     update_interval_decay_epochs: List[int] = field(default_factory=list)

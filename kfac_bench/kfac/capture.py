@@ -48,7 +48,7 @@ import torch
 from .factors import fold
 from .options import FactorScaling
 from .state import Call, LayerState
-from .subsample import ExampleSubset
+from .subsample import ExampleSubset, PositionSubset
 from .timing import StageTimer
 
 
@@ -85,6 +85,7 @@ class Capture:
         on_final: Callable[[LayerState], None],
         timer: StageTimer,
         subset: ExampleSubset | None = None,
+        positions: PositionSubset | None = None,
     ) -> None:
         self.layers = layers
         self.factor_dtype = factor_dtype
@@ -95,6 +96,8 @@ class Capture:
         self.timer = timer
         #: Factors from part of each batch (``factor_batch_fraction`` < 1); None: every example.
         self.subset = subset
+        #: Conv factors from part of the output positions (``factor_position_fraction`` < 1); None: all.
+        self.positions = positions
         self.collecting = False
         #: Backward passes that reached the layers since the last ``step()`` (while collecting).
         self.backwards = 0
@@ -154,10 +157,22 @@ class Capture:
             if self.subset is not None:
                 rows = self.subset.rows(x, self.backwards, layer.handler.spatial)
                 x = x if rows is None else x.index_select(0, rows)
+            pos = self._position_rows(layer, output)
             with self.timer("factor", sync=False), _no_autocast(x.device.type), _named(layer, "A"):
-                a = layer.handler.a_gram(module, x, self.factor_dtype, layer.bias)
+                if pos is None:
+                    a = layer.handler.a_gram(module, x, self.factor_dtype, layer.bias)
+                else:
+                    a = PositionSubset.a_gram(
+                        layer.handler,
+                        module,
+                        x,
+                        self.factor_dtype,
+                        layer.bias,
+                        pos,
+                        output.shape[-2],
+                    )
             _check_shape(layer, "A", a.sum, layer.a_dim)
-            call = Call(a, rows=rows)
+            call = Call(a, rows=rows, positions=pos)
             layer.calls.append(call)
             if task != -1:
                 # Reentrant activation checkpointing recomputes the forward inside the outer backward pass
@@ -174,6 +189,12 @@ class Capture:
             node.register_prehook(self._grad_hook(layer, weakref.ref(call), index, shape))
 
         return hook
+
+    def _position_rows(self, layer: LayerState, output: torch.Tensor) -> torch.Tensor | None:
+        """The output rows a conv call's factors use (``factor_position_fraction``); None: all."""
+        if self.positions is None or output.dim() < 3 or not self.positions.applies(layer.handler):
+            return None
+        return self.positions.rows(layer.name, self.backwards, output.shape[-2], output.device)
 
     def _grad_hook(
         self, layer: LayerState, ref: weakref.ref[Call], index: int, shape: torch.Size | None
@@ -213,7 +234,12 @@ class Capture:
                     _no_autocast(g.device.type),
                     _named(layer, "G"),
                 ):
-                    gram = layer.handler.g_gram(layer.module, g, self.factor_dtype)
+                    if call.positions is None:
+                        gram = layer.handler.g_gram(layer.module, g, self.factor_dtype)
+                    else:
+                        gram = PositionSubset.g_gram(
+                            layer.handler, layer.module, g, self.factor_dtype, call.positions
+                        )
                     scale = self._loss_scale()
                     if scale is not None:
                         gram = gram._replace(sum=gram.sum / scale**2)

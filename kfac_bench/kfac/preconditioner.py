@@ -43,7 +43,7 @@ from .registration import LayerSpec, ModelScan, log_scan, scan_model
 from .schedules import Scheduled, is_due, resolve
 from .second_order import RankRule, second_order_method
 from .state import LayerState, memory_by_category
-from .subsample import ExampleSubset, check_fraction
+from .subsample import ExampleSubset, PositionSubset, check_fraction
 from .timing import STAGES, StageTimer
 
 __all__ = ["STAGES", "KFACPreconditioner", "resolve_dtypes"]
@@ -106,6 +106,9 @@ class KFACPreconditioner:
             factor as a share of its size, in (0, 1] (1: exact); see :mod:`.second_order.lowrank`.
         lowrank_min_dim: with ``'eigen_lowrank'``, factors smaller than this (and every convolution factor)
             keep their exact ``eigh``.
+        factor_position_fraction: share of the rows of output positions of each convolution call the
+            factor statistics are computed from, in (0, 1]; 1 (default) is exact, less an opt-in unbiased
+            estimate (same module); layers without positions are unaffected.
 
     Note:
         What the hooks count and when (one micro-batch = one backward pass; eval-mode forwards ignored; AMP)
@@ -156,6 +159,7 @@ class KFACPreconditioner:
         batch_dim: int | Mapping[str, int] | None = None,
         lowrank_fraction: float = 0.25,
         lowrank_min_dim: int = 1024,
+        factor_position_fraction: float = 1.0,
     ) -> None:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
@@ -222,6 +226,7 @@ class KFACPreconditioner:
             on_final=self.curvature.factors_final,
             timer=self.timer,
             subset=self._example_subset(factor_batch_fraction),
+            positions=self._position_subset(factor_position_fraction),
         )
         self.capture.start_step(is_due(self.factor_update_steps, 0))
 
@@ -231,6 +236,13 @@ class KFACPreconditioner:
         if self.factor_batch_fraction == 1.0:
             return None
         return ExampleSubset(self.factor_batch_fraction, self.factor_scaling, lambda: self.steps)
+
+    def _position_subset(self, fraction: float) -> PositionSubset | None:
+        """The subset rule of ``factor_position_fraction`` (None for 1: the exact path, untouched)."""
+        self.factor_position_fraction = check_fraction(fraction, "factor_position_fraction")
+        if self.factor_position_fraction == 1.0:
+            return None
+        return PositionSubset(self.factor_position_fraction, lambda: self.steps)
 
     # ------------------------------------------------------------------ registration and placement
     def _plan(self) -> None:

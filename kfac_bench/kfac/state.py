@@ -46,6 +46,8 @@ class Call:
     rows: torch.Tensor | None = None
     # Recomputed by reentrant activation checkpointing: its gradient arrives in a nested backward pass.
     nested: bool = False
+    # The rows of output positions its factors use (``factor_position_fraction`` < 1); None: all.
+    positions: torch.Tensor | None = None
 
 
 @dataclass

@@ -163,6 +163,7 @@ def test_grid_run_reproduces_the_harness_run(kfac: bool, tmp_path: Path, one_thr
             f"kfac.damping={arm.damping}",
             f"kfac.factor_decay={s.factor_decay}",
             f"kfac.kl_clip={s.kl_clip}",
+            f"kfac.factor_batch_fraction={arm.factor_batch_fraction}",
         ]
     else:
         args.append("kfac=none")

@@ -32,14 +32,7 @@ class Conv2dHandler(WeightBiasHandler):
 
     def a_gram(self, module: nn.Module, x: torch.Tensor, dtype: torch.dtype, bias: bool) -> Gram:
         assert isinstance(module, nn.Conv2d)
-        if x.dim() == 3:
-            x = x.unsqueeze(0)
-        x = x.to(dtype)
-        # F.pad order: (left, right, top, bottom); nn.Conv2d stores it for every padding kind.
-        left, right, top, bottom = module._reversed_padding_repeated_twice
-        if module.padding_mode != "zeros":
-            x = F.pad(x, (left, right, top, bottom), mode=module.padding_mode)
-            left = right = top = bottom = 0
+        x, (top, bottom, left, right) = self._padded(module, x, dtype)
         kh, kw = module.kernel_size
         sh, sw = module.stride
         dh, dw = module.dilation
@@ -54,6 +47,58 @@ class Conv2dHandler(WeightBiasHandler):
             bias=bias,
         )
         return Gram(a, x.shape[0], out_h * out_w)
+
+    def a_gram_rows(
+        self, module: nn.Module, x: torch.Tensor, dtype: torch.dtype, bias: bool, rows: torch.Tensor
+    ) -> Gram:
+        """Like :meth:`a_gram`, over the output positions of the output rows ``rows`` only (sorted
+        indices; ``factor_position_fraction``, :mod:`kfac_bench.kfac.subsample`).
+
+        A run of consecutive output rows reads one band of input rows (``dh·(kh-1)+1`` more than the
+        run's stride-spaced rows): its factor is the same exact kernel's on that slice of the input, with
+        the top/bottom zero padding the band actually touches. No copy of the input is made for a slice.
+        """
+        assert isinstance(module, nn.Conv2d)
+        x, (top, _, left, right) = self._padded(module, x, dtype)
+        kh, kw = module.kernel_size
+        sh, sw = module.stride
+        dh, dw = module.dilation
+        span = dh * (kh - 1) + 1
+        height = x.shape[2]
+        total: torch.Tensor | None = None
+        for first, last in _runs(rows.tolist()):
+            lo = (
+                first * sh - top
+            )  # input rows [lo, hi) of the padded-coordinates band, unpadded here
+            hi = last * sh - top + span
+            part = conv2d_a_factor(
+                x[:, :, max(lo, 0) : min(hi, height)],
+                kernel_size=(kh, kw),
+                stride=(sh, sw),
+                padding=(max(-lo, 0), max(hi - height, 0), left, right),
+                dilation=(dh, dw),
+                bias=bias,
+            )
+            total = part if total is None else total.add_(part)
+        assert total is not None
+        out_w = (x.shape[3] + left + right - dw * (kw - 1) - 1) // sw + 1
+        return Gram(total, x.shape[0], rows.numel() * out_w)
+
+    @staticmethod
+    def _padded(
+        module: nn.Conv2d, x: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+        """``x`` as a batch in ``dtype``, padded here unless its padding is zeros, and the zero padding
+        ``(top, bottom, left, right)`` still to apply."""
+        if x.dim() == 3:
+            x = x.unsqueeze(0)
+        x = x.to(dtype)
+        # F.pad order: (left, right, top, bottom); nn.Conv2d stores it for every padding kind.
+        left, right, top, bottom = module._reversed_padding_repeated_twice
+        if module.padding_mode != "zeros":
+            x = F.pad(x, (left, right, top, bottom), mode=module.padding_mode)
+            left = right = top = bottom = 0
+        return x, (top, bottom, left, right)
 
     def g_gram(self, module: nn.Module, g: torch.Tensor, dtype: torch.dtype) -> Gram:
         if g.dim() == 3:
@@ -70,6 +115,17 @@ class Conv2dHandler(WeightBiasHandler):
         # the N·C² sum would cost more than the copy).
         rows = g.transpose(0, 1).reshape(c, -1)
         return Gram(rows @ rows.t(), n, h * w)
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """``(first, last)`` of each run of consecutive values of the sorted ``rows``."""
+    runs: list[tuple[int, int]] = []
+    for r in rows:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], r)
+        else:
+            runs.append((r, r))
+    return runs
 
 
 #: Output positions per channel from which the conv G factor takes the batched product (measured on CPU:
