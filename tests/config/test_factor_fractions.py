@@ -16,14 +16,15 @@ FIELDS = ("factor_batch_fraction", "factor_position_fraction")
 
 @pytest.mark.parametrize("field", FIELDS)
 def test_a_fraction_reaches_the_preconditioner(field: str) -> None:
-    cfg = compose_run(["+recipe=digits", f"kfac.{field}=0.25"])
+    other = next(f for f in FIELDS if f != field)
+    # digits' K-FAC arm sets factor_batch_fraction=0.25 itself: the other field is set to 1 here.
+    cfg = compose_run(["+recipe=digits", f"kfac.{field}=0.25", f"kfac.{other}=1.0"])
     assert getattr(cfg.kfac, field) == 0.25
     p = build_preconditioner(
         build_small_cnn(), cfg.kfac, steps_per_epoch=5, world_size=1, accumulation_steps=1, lr=0.1
     )
     assert getattr(p, field) == 0.25
-    other = next(f for f in FIELDS if f != field)
-    assert getattr(p, other) == 1.0  # default: the exact path
+    assert getattr(p, other) == 1.0  # each field reaches the engine alone
     x = torch.randn(4, 1, 8, 8)
     p.model(x).sum().backward()
     p.step()  # a step with the thinned-out factors runs
