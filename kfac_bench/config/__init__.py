@@ -9,11 +9,12 @@ SLURM scripts) as ``kfac_bench/_launch``.
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["config_dir", "flat_config", "launch_dir", "recipes_dir"]
+__all__ = ["config_dir", "flat_config", "hydra_quote", "launch_dir", "recipes_dir"]
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 
@@ -57,3 +58,14 @@ def _flatten(node: Any, prefix: str) -> Iterator[tuple[str, Any]]:
             yield from _flatten(value, f"{prefix}{key}.")
     else:
         yield prefix[:-1], node
+
+
+def hydra_quote(value: str) -> str:
+    """``value`` as a single-quoted value of Hydra's override grammar that Hydra and OmegaConf read back
+    as exactly ``value``: spaces, ``,``, ``=``, brackets, quotes, non-ASCII and ``${`` included (unquoted,
+    a path such as ``runs/x y,z`` is a lexer error or a sweep)."""
+    # OmegaConf: an interpolation opener is escaped with a backslash, and backslashes before it doubled.
+    value = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
+    # Hydra: a backslash is literal, except in a run before a quote or the closing quote: doubled there.
+    value = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value)
+    return "'" + value.replace("'", "\\'") + "'"

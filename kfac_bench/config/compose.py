@@ -16,7 +16,7 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from kfac_bench.config import config_dir
+from kfac_bench.config import config_dir, hydra_quote
 from kfac_bench.config.store import broken_recipe, register, yaml_error_line
 from kfac_bench.errors import ConfigError
 
@@ -62,8 +62,6 @@ def compose_run(
 
 
 def _search_path_override(config_dirs: Sequence[str | Path]) -> str:
-    from kfac_bench.train.launch import hydra_quote
-
     paths = []
     for d in config_dirs:
         path = Path(d).resolve()

@@ -9,10 +9,11 @@ checkpoint. Preemption signals reach the ranks through :mod:`kfac_bench.train.ag
 from __future__ import annotations
 
 import os
-import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from kfac_bench.config import hydra_quote
 
 __all__ = [
     "JOB_ENV_KEYS",
@@ -49,17 +50,6 @@ def outside_job_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     for key in JOB_ENV_KEYS:
         out.pop(key, None)
     return out
-
-
-def hydra_quote(value: str) -> str:
-    """``value`` as a single-quoted value of Hydra's override grammar that Hydra and OmegaConf read back
-    as exactly ``value``: spaces, ``,``, ``=``, brackets, quotes, non-ASCII and ``${`` included (unquoted,
-    a path such as ``runs/x y,z`` is a lexer error or a sweep)."""
-    # OmegaConf: an interpolation opener is escaped with a backslash, and backslashes before it doubled.
-    value = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
-    # Hydra: a backslash is literal, except in a run before a quote or the closing quote: doubled there.
-    value = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value)
-    return "'" + value.replace("'", "\\'") + "'"
 
 
 def run_dir_override(run_dir: str | Path) -> str:
