@@ -39,7 +39,7 @@ test-slow: $(STAMP)  ## the recipe smoke runs (pytest -m slow)
 	$(PYTEST) -m slow
 
 test: lint $(STAMP)  ## lint, then the whole suite: fast tests and recipe smoke runs (PYTEST_WORKERS=2)
-	$(PYTEST) -m "not gpu"
+	$(PYTEST) -m "not gpu" --durations=15
 
 bench: $(STAMP)  ## K-FAC overhead benchmark (CPU): step-time ratios K-FAC/SGD with stage breakdown
 	$(BIN)/python -m benchmarks.overhead
