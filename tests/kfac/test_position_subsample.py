@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -18,7 +17,6 @@ from kfac_bench.kfac import KFACPreconditioner
 from kfac_bench.kfac.layers.conv2d import Conv2dHandler
 from kfac_bench.kfac.subsample import PositionSubset
 
-from ..distributed import run_distributed
 from .test_distributed import make_model  # the same small conv + linear net in float64
 from .test_subsample import batch, factors, run
 
@@ -206,37 +204,4 @@ def test_a_fraction_outside_zero_one_is_refused(fraction: float) -> None:
         KFACPreconditioner(make_model(), factor_position_fraction=fraction)
 
 
-def distributed_worker(rank: int, world: int) -> dict[str, Any]:
-    model = make_model()
-    p = KFACPreconditioner(
-        model, damping=0.01, lr=0.1, factor_decay=0.0, kl_clip=None, factor_position_fraction=0.5
-    )
-    x, y = batch(0, 8 * world)
-    sl = slice(rank * 8, (rank + 1) * 8)
-    F.cross_entropy(model(x[sl]), y[sl]).backward()
-    for q in model.parameters():
-        dist.all_reduce(q.grad)
-        q.grad /= world
-    p.step()
-    return {"factors": factors(p), "grads": [q.grad.clone() for q in model.parameters()]}
-
-
-@pytest.mark.distributed
-def test_ranks_agree_and_average_their_drawn_positions() -> None:
-    world = 2
-    results = run_distributed(distributed_worker, world, timeout=240)
-    for key, value in results[0]["factors"].items():
-        assert torch.equal(value, results[1]["factors"][key]), key
-    for a, b in zip(results[0]["grads"], results[1]["grads"]):
-        assert torch.equal(a, b)
-    x, y = batch(0, 8 * world)
-    local = []
-    for rank in range(world):
-        model = make_model()
-        p = KFACPreconditioner(model, factor_decay=0.0, kl_clip=None, factor_position_fraction=0.5)
-        sl = slice(rank * 8, (rank + 1) * 8)
-        F.cross_entropy(model(x[sl]), y[sl]).backward()
-        p.step()
-        local.append(factors(p))
-    for key, value in results[0]["factors"].items():
-        torch.testing.assert_close(value, (local[0][key] + local[1][key]) / 2, msg=key)
+# Two ranks drawing positions: tests/kfac/test_subsample.py::test_ranks_agree_and_average_their_drawn_subsets.

@@ -123,11 +123,9 @@ def test_a_fraction_outside_zero_one_is_refused(fraction: float) -> None:
         KFACPreconditioner(make_model(), factor_batch_fraction=fraction)
 
 
-def distributed_worker(rank: int, world: int) -> dict[str, Any]:
+def distributed_worker(rank: int, world: int, subset: dict[str, float]) -> dict[str, Any]:
     model = make_model()
-    p = KFACPreconditioner(
-        model, damping=0.01, lr=0.1, factor_decay=0.0, kl_clip=None, factor_batch_fraction=0.5
-    )
+    p = KFACPreconditioner(model, damping=0.01, lr=0.1, factor_decay=0.0, kl_clip=None, **subset)
     x, y = batch(0, 8 * world)
     sl = slice(rank * 8, (rank + 1) * 8)
     F.cross_entropy(model(x[sl]), y[sl]).backward()
@@ -139,19 +137,23 @@ def distributed_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-def test_ranks_agree_and_average_their_drawn_examples() -> None:
+@pytest.mark.parametrize(
+    "subset", [{"factor_batch_fraction": 0.5}, {"factor_position_fraction": 0.5}], ids=str
+)
+def test_ranks_agree_and_average_their_drawn_subsets(subset: dict[str, float]) -> None:
+    """Examples (``factor_batch_fraction``) or output positions (``factor_position_fraction``)."""
     world = 2
-    results = run_distributed(distributed_worker, world, timeout=240)
+    results = run_distributed(distributed_worker, world, subset, timeout=240)
     for key, value in results[0]["factors"].items():
         assert torch.equal(value, results[1]["factors"][key]), key
     for a, b in zip(results[0]["grads"], results[1]["grads"]):
         assert torch.equal(a, b)
-    # the reduced factor is the mean of each rank's factor of its own drawn examples
+    # the reduced factor is the mean of each rank's factor of its own drawn subset
     x, y = batch(0, 8 * world)
     local = []
     for rank in range(world):
         model = make_model()
-        p = KFACPreconditioner(model, factor_decay=0.0, kl_clip=None, factor_batch_fraction=0.5)
+        p = KFACPreconditioner(model, factor_decay=0.0, kl_clip=None, **subset)
         sl = slice(rank * 8, (rank + 1) * 8)
         F.cross_entropy(model(x[sl]), y[sl]).backward()
         p.step()
