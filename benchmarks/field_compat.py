@@ -11,6 +11,11 @@ against dense float64 factors.
 A cell is ``exact`` when every layer preconditioned in the plain run has factors within 1e-9 (relative,
 Frobenius) of the plain run's, else it names the largest difference, and it lists layers left out (with the
 reason ``coverage()`` gives). ``n/a``: the library has no switch for the pattern.
+
+``bf16_autocast`` is compared differently: the float32 copy of the model takes one step under CPU bf16
+autocast, and each layer's factors are compared with dense float64 factors of the input and output gradient
+that layer received (captured by hooks of this script, upcast), as ``tests/kfac/test_amp.py`` does; it also
+counts the layers whose input and output gradient were bf16.
 """
 
 from __future__ import annotations
@@ -203,6 +208,109 @@ def run(model: nn.Module, kind: str, pattern: str) -> KFACPreconditioner:
     return p
 
 
+class _Tap(torch.autograd.Function):
+    """Identity (a copy, not a view) whose backward records the gradient arriving at the layer's output."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
+        ctx.grads = grads
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.grads.append(grad.detach())
+        return grad, None
+
+
+class _Received:
+    """The input and output gradient of every call of the given layers, captured by hooks of its own.
+
+    The hook replaces the output with a ``_Tap`` copy (after the engine's hook has seen the original), so the
+    gradient is the one for the layer's output even when the model then modifies it in place: a retained
+    ``.grad`` or a tensor hook would give the gradient of the modified tensor (MobileNetV3's and Swin V2's
+    in-place activations)."""
+
+    def __init__(self, modules: dict[str, nn.Module]) -> None:
+        self.calls: dict[str, list[tuple[torch.Tensor, list[torch.Tensor]]]] = {
+            n: [] for n in modules
+        }
+        for name, m in modules.items():
+            m.register_forward_hook(self._hook(name), with_kwargs=True)
+
+    def _hook(self, name: str) -> Callable[..., torch.Tensor]:
+        def hook(module: nn.Module, args: Any, kwargs: Any, out: torch.Tensor) -> torch.Tensor:
+            x = args[0] if args else kwargs["input"]
+            grads: list[torch.Tensor] = []
+            self.calls[name].append((x.detach(), grads))
+            return _Tap.apply(out, grads)
+
+        return hook
+
+
+def _dense_factors(
+    module: nn.Module, x: torch.Tensor, g: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 A and G (``per_example`` scaling) of one call, straight from the definitions: rows from unfold
+    for a Conv2d, the last dimension otherwise (Linear, transformers' Conv1D); ``g`` is the received
+    gradient of the mean loss, so the per-example gradient is ``g * N``."""
+    x, g = x.to(D), g.to(D)
+    n = x.shape[0]
+    if isinstance(module, nn.Conv2d):
+        xp = F.pad(x, module._reversed_padding_repeated_twice)
+        a = F.unfold(xp, module.kernel_size, dilation=module.dilation, stride=module.stride)
+        a, d = a.transpose(1, 2), g.flatten(2).transpose(1, 2)
+    else:
+        a, d = x.reshape(n, -1, x.shape[-1]), g.reshape(n, -1, g.shape[-1])
+    bias = getattr(module, "bias", None)
+    if isinstance(bias, torch.Tensor) and bias.requires_grad:
+        a = torch.cat([a, a.new_ones(*a.shape[:2], 1)], dim=2)
+    d = d * n
+    return torch.einsum("ntd,nte->de", a, a) / n, torch.einsum("ntd,nte->de", d, d) / (
+        n * d.shape[1]
+    )
+
+
+def run_autocast(base: nn.Module, kind: str, plain: KFACPreconditioner) -> dict[str, Any]:
+    """One float32 step of the model under CPU bf16 autocast; every preconditioned layer's factors against
+    dense float64 factors of the (upcast) tensors that layer received."""
+    model = copy.deepcopy(base).float().train()
+    if kind == "vision":
+        x, y = _vision_batches()[0]
+        batch: Batch = (x.float(), y)
+        loss_fn = _vision_loss
+    else:
+        batch, loss_fn = _text_batches()[0], _text_loss
+    p = KFACPreconditioner(model, factor_decay=0.0, kl_clip=None, coverage_threshold=0.0)
+    rec = _Received({n: layer.module for n, layer in p.layers.items()})
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = loss_fn(model, batch)
+    loss.float().backward()
+    p.step()
+    worst, left, low, low_g = 0.0, {}, 0, 0
+    for name in plain.layers:
+        layer = p.layers.get(name)
+        calls = rec.calls.get(name, [])
+        if layer is None or not layer.ready:
+            left[name] = layer.not_ready_reason if layer is not None else "not registered"
+            continue
+        if len(calls) != 1 or len(calls[0][1]) != 1:
+            left[name] = f"no reference ({len(calls)} calls captured)"
+            continue
+        x, (g,) = calls[0]
+        low += x.dtype == torch.bfloat16
+        low_g += g.dtype == torch.bfloat16
+        for got, ref in zip((layer.a_factor, layer.g_factor), _dense_factors(layer.module, x, g)):
+            worst = max(worst, float((got.to(D) - ref).norm() / ref.norm().clamp_min(1e-300)))
+    return {
+        "max_rel": worst,
+        "left_out": left,
+        "layers": len(plain.layers),
+        "bf16_inputs": low,
+        "bf16_output_grads": low_g,
+    }
+
+
 def compare(plain: KFACPreconditioner, got: KFACPreconditioner) -> dict[str, Any]:
     worst, left = 0.0, {}
     for name, ref in plain.layers.items():
@@ -222,6 +330,7 @@ PATTERNS = (
     "compile",
     "ddp_no_sync",
     "channels_last",
+    "bf16_autocast",
 )
 
 
@@ -250,7 +359,10 @@ def measure(names: list[str], patterns: tuple[str, ...]) -> dict[str, Any]:
             try:
                 ctx = _one_rank_group() if pattern == "ddp_no_sync" else contextlib.nullcontext()
                 with ctx:
-                    row[pattern] = compare(plain, run(copy.deepcopy(base), kind, pattern))
+                    if pattern == "bf16_autocast":
+                        row[pattern] = run_autocast(base, kind, plain)
+                    else:
+                        row[pattern] = compare(plain, run(copy.deepcopy(base), kind, pattern))
             except Exception as err:  # report, do not stop the table
                 row[pattern] = f"error: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
         out[name] = row
