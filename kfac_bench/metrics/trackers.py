@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -206,7 +207,9 @@ class WandbTracker:
         self.run_dir = Path(run_dir)
         os.environ.setdefault("WANDB_MODE", "offline")
         os.environ.setdefault("WANDB_SILENT", "true")
-        run_id = _saved_id(self.run_dir, "wandb_run_id") or wandb.util.generate_id()
+        # W&B takes any id of [a-z0-9]; its own generator moved between releases (wandb.util.generate_id
+        # is gone in 0.2x), so the id is made here.
+        run_id = _saved_id(self.run_dir, "wandb_run_id") or secrets.token_hex(4)
         directory = Path(uri) if uri else self.run_dir
         directory.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
