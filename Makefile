@@ -3,9 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-# --no-compile: pip would byte-compile every installed module (all of torch, ~40 s of CPU on 2 cores);
-# Python compiles the ones a run imports on first use instead.
-PIP_INSTALL := $(BIN)/pip install --disable-pip-version-check -q --no-compile -c constraints.txt
+PIP_INSTALL := $(BIN)/pip install --disable-pip-version-check -q -c constraints.txt
 # pytest-xdist workers (0: one process). Whole test files go to one worker (--dist loadfile), so a module's
 # fixtures (the BERT and SQuAD smoke chains) are built once; most tests wait on subprocesses or sleep.
 PYTEST_WORKERS ?= 2
