@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kfac_bench.metrics.compare import Comparison, _setting_title, _y_range, find_runs
+from kfac_bench.metrics.compare import Comparison, find_runs
+from kfac_bench.metrics.compare_plot import _setting_title, _y_range
 from tests.metrics.test_compare_arms import curve, make_run
 
 
