@@ -8,12 +8,15 @@ Usage (any PyTorch loop; with DDP, after its gradient averaging; with AMP, after
     optimizer.step()
 
 The jobs live in their own modules: :mod:`.capture` (hooks), :mod:`.second_order` (the method, chosen
-once), :mod:`.assignment` and :mod:`.comm` (where work runs and what is sent), :mod:`.checkpoint`.
+once), :mod:`.assignment` and :mod:`.comm` (where work runs and what is sent), :mod:`.checkpoint`,
+:mod:`.registration` (which layers, with which settings). What stays here (~580 lines, a quarter of it the
+class's documented arguments and ``memory_usage``'s categories) is the public class: ``step()`` as the
+algorithm, and re-registering layers whose ``requires_grad`` changed, which re-plans placement and
+re-attaches hooks, so it needs every part the class holds.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,7 +42,7 @@ from .options import (
     Placement,
     parse_grad_worker_fraction,
 )
-from .registration import LayerSpec, ModelScan, log_scan, scan_model
+from .registration import LayerSpec, ModelScan, batch_dim_of, log_scan, scan_model
 from .schedules import Scheduled, is_due, resolve
 from .second_order import RankRule, second_order_method
 from .state import LayerState, memory_by_category
@@ -464,18 +467,6 @@ class KFACPreconditioner:
 
     # ------------------------------------------------------------------ run-time registration
     def _layer_state(self, spec: LayerSpec) -> LayerState:
-        batch_dim = spec.batch_dim
-        if isinstance(self.batch_dim, int):
-            batch_dim = self.batch_dim
-        elif self.batch_dim is not None:
-            batch_dim = next(
-                (d for p, d in self.batch_dim.items() if re.search(p, spec.name)), batch_dim
-            )
-        if batch_dim != 0 and spec.handler.spatial:
-            raise ValueError(
-                f"K-FAC layer '{spec.name}' ({spec.type}): batch_dim={batch_dim}, but a convolution's "
-                "examples are its input's dim 0; set batch_dim for its Linear layers only"
-            )
         return LayerState(
             spec.name,
             spec.module,
@@ -483,7 +474,7 @@ class KFACPreconditioner:
             spec.a_dim,
             spec.g_dim,
             spec.bias,
-            batch_dim=batch_dim,
+            batch_dim=batch_dim_of(spec, self.batch_dim),
         )
 
     def _trainable_now(self) -> dict[str, tuple[bool, bool]]:

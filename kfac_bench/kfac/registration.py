@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -140,6 +140,27 @@ def scan_model(model: nn.Module, skip_layers: Sequence[str | re.Pattern[str]] = 
     for name, module in modules:
         _classify(scan, name, module, rules, functional, holders, sequence_first)
     return scan
+
+
+def batch_dim_of(spec: LayerSpec, option: int | Mapping[str, int] | None) -> int:
+    """The dimension of the examples in ``spec``'s inputs and output gradients: ``option`` (the engine's
+    ``batch_dim``: an int for every layer, or regexes searched in the layer's name -> dim) where it says,
+    else the one the scan detected.
+
+    Raises:
+        ValueError: a dimension other than 0 for a convolution (its examples are its input's dim 0).
+    """
+    batch_dim = spec.batch_dim
+    if isinstance(option, int):
+        batch_dim = option
+    elif option is not None:
+        batch_dim = next((d for p, d in option.items() if re.search(p, spec.name)), batch_dim)
+    if batch_dim != 0 and spec.handler.spatial:
+        raise ValueError(
+            f"K-FAC layer '{spec.name}' ({spec.type}): batch_dim={batch_dim}, but a convolution's "
+            "examples are its input's dim 0; set batch_dim for its Linear layers only"
+        )
+    return batch_dim
 
 
 def _batch_first(module: nn.Module) -> bool:
