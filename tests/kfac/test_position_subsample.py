@@ -162,23 +162,7 @@ def test_factors_over_many_steps_approach_the_exact_factors(scaling: str) -> Non
         torch.testing.assert_close(sums[key] / steps, want[key], msg=key)
 
 
-def test_resume_continues_identically() -> None:
-    kw: dict[str, Any] = dict(inv_update_steps=2, factor_position_fraction=0.5)
-    full, _ = run(5, **kw)
-    _, first = run(3, **kw)
-    state = first.state_dict(include_decompositions=True)
-    model = make_model()
-    p = KFACPreconditioner(model, damping=0.01, lr=0.1, **kw)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model.load_state_dict(first.model.state_dict())
-    p.load_state_dict(state)
-    for s in (3, 4):
-        x, y = batch(s)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        p.step()
-        assert all(torch.equal(a, b.grad) for a, b in zip(full[s], model.parameters()))
-        opt.step()
+# Resume with positions drawn: tests/kfac/test_subsample.py::test_resume_continues_identically.
 
 
 def test_draws_differ_by_step_layer_and_micro_batch() -> None:

@@ -97,14 +97,18 @@ def test_draws_differ_by_step_and_micro_batch_and_repeat_on_resume() -> None:
     assert ExampleSubset(0.9, FactorScaling.KAISA, lambda: 0).rows(x[:4], 0, False) is None
 
 
-def test_resume_continues_identically() -> None:
-    full, _ = run(5, inv_update_steps=2, factor_batch_fraction=0.5)
-    _, first = run(3, inv_update_steps=2, factor_batch_fraction=0.5)
+#: The two opt-in factor subsets: examples of each micro-batch, rows of a convolution's output positions.
+SUBSETS = [{"factor_batch_fraction": 0.5}, {"factor_position_fraction": 0.5}]
+
+
+@pytest.mark.parametrize("subset", SUBSETS, ids=str)
+def test_resume_continues_identically(subset: dict[str, float]) -> None:
+    kw: dict[str, Any] = dict(inv_update_steps=2, **subset)
+    full, _ = run(5, **kw)
+    _, first = run(3, **kw)
     state = first.state_dict(include_decompositions=True)
     model = make_model()
-    p = KFACPreconditioner(
-        model, damping=0.01, lr=0.1, inv_update_steps=2, factor_batch_fraction=0.5
-    )
+    p = KFACPreconditioner(model, damping=0.01, lr=0.1, **kw)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model.load_state_dict(first.model.state_dict())  # weights after 3 steps (plain SGD: no state)
     p.load_state_dict(state)
@@ -137,9 +141,7 @@ def distributed_worker(rank: int, world: int, subset: dict[str, float]) -> dict[
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(
-    "subset", [{"factor_batch_fraction": 0.5}, {"factor_position_fraction": 0.5}], ids=str
-)
+@pytest.mark.parametrize("subset", SUBSETS, ids=str)
 def test_ranks_agree_and_average_their_drawn_subsets(subset: dict[str, float]) -> None:
     """Examples (``factor_batch_fraction``) or output positions (``factor_position_fraction``)."""
     world = 2
