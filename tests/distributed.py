@@ -3,7 +3,7 @@
 Forking (rather than torchrun) starts ranks in seconds. Every rank sets one intra-op thread: on a 2-core
 machine several 2-thread processes run several times slower than 1-thread ones. ``backend="nccl"`` (GPU
 tests) spawns instead of forking, since CUDA cannot be used in a child forked after the parent used it,
-and puts rank r on CUDA device r.
+and puts rank r on CUDA device r; ``start_method="spawn"`` also suits a test whose ranks walk their own heap.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def run_distributed(
     *args: Any,
     timeout: float = 120.0,
     backend: str = "gloo",
+    start_method: str | None = None,
 ) -> list[Any]:
     """``fn(rank, world_size, *args)`` on ``world_size`` processes; returns the results by rank.
 
@@ -70,7 +71,7 @@ def run_distributed(
             ranks that did not finish within ``hang_limit(timeout)`` seconds.
     """
     timeout = hang_limit(timeout)
-    ctx = mp.get_context("spawn" if backend == "nccl" else "fork")
+    ctx = mp.get_context(start_method or ("spawn" if backend == "nccl" else "fork"))
     out: mp.Queue = ctx.Queue()
     port = _free_port()
     procs = [

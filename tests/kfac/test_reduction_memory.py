@@ -134,7 +134,9 @@ def accounting_worker(rank: int, world: int, options: dict[str, Any]) -> list[di
 )
 def test_memory_usage_counts_exactly_the_tensors_kfac_keeps_alive(options: dict[str, Any]) -> None:
     micro = options.get("accumulation_steps", 1)
-    for rank_moments in run_distributed(accounting_worker, 2, options):
+    # Spawned ranks: every moment walks the whole heap, and a rank forked from a pytest worker carries the
+    # heap of every test module that worker ran (transformers, Hydra...): 10x the objects, 50-200 s a test.
+    for rank_moments in run_distributed(accounting_worker, 2, options, start_method="spawn"):
         # After every forward, gradient hook (4 layers) and backward pass, and after every step().
         assert len(rank_moments) == STEPS * (micro * (1 + 4 + 1) + 1)
         for i, m in enumerate(rank_moments):
