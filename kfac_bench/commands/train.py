@@ -384,9 +384,10 @@ def _run_hydra(args: list[str], run_dir_from_rank_0: bool = False) -> int:
 def _job(cfg: Any, run_dir: Path, overrides: list[str], run_dir_from_rank_0: bool = False) -> int:
     from kfac_bench.train import rundir
     from kfac_bench.train.launch import inside_launched_worker, launch_torchrun
-    from kfac_bench.train.preflight import check_run
+    from kfac_bench.train.preflight import check_run, job_world
 
-    check_run(cfg)
+    world = job_world(cfg)  # one reading for the device check and the resume check
+    check_run(cfg, world.size)
     launcher = cfg.launcher
     if str(launcher.name.value) == "torchrun" and not inside_launched_worker():
         # This process owns the run for its ranks: the lock, the recorded config, the marker.
@@ -395,7 +396,7 @@ def _job(cfg: Any, run_dir: Path, overrides: list[str], run_dir_from_rank_0: boo
         try:
             from kfac_bench.train.elastic import check_launch
 
-            check_launch(run_dir, cfg, launcher.nproc_per_node)  # before any rank starts
+            check_launch(run_dir, cfg, world.size)  # before any rank starts
             return launch_torchrun(
                 overrides,
                 run_dir,
