@@ -30,6 +30,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kfac_bench.errors import UserError
 from kfac_bench.train import rundir
@@ -177,12 +178,15 @@ def _override_value(arg: str) -> str:
     )
 
 
-def _train_overrides(args: Sequence[str]) -> list[str]:
-    """The ``kfac-bench train`` overrides after ``-m kfac_bench.cli train``."""
+def _train_args(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The ``kfac-bench train`` (flags with their values, overrides) after ``-m kfac_bench.cli train``, split
+    as Hydra splits them (``--config-dir DIR``: DIR is the flag's, not an override)."""
+    from kfac_bench.config.command_line import split_args
+
     args = list(args)
     for i in range(len(args) - 2):
         if args[i : i + 3] == ["-m", "kfac_bench.cli", "train"]:
-            return [a for a in args[i + 3 :] if not a.startswith("-")]
+            return split_args(args[i + 3 :])
     raise UserError("the command must end in -m kfac_bench.cli train [overrides ...]")
 
 
@@ -207,12 +211,17 @@ def torchrun_world_size(args: Sequence[str]) -> int | None:
     return world.size if world.fixed else None
 
 
-def _preflight(args: Sequence[str], run_dir: Path) -> None:
+def _preflight(args: Sequence[str], run_dir: Path) -> Any:
+    """Check the job before this node starts a rank (config, device, run directory, world); returns the
+    composed config. The user's ``--config-dir`` (any of Hydra's forms) is on its search path, as on the
+    ranks'."""
+    from kfac_bench.config.command_line import config_dirs_of
     from kfac_bench.config.compose import compose_run
     from kfac_bench.train.preflight import check_run, job_world
 
-    overrides = [o for o in _train_overrides(args) if not o.startswith("hydra.")]
-    cfg = compose_run(overrides)
+    flags, overrides = _train_args(args)
+    overrides = [o for o in overrides if not o.startswith("hydra.")]
+    cfg = compose_run(overrides, config_dirs=config_dirs_of(flags))
     world = job_world(cfg, torchrun_args=args)  # one reading for both checks
     check_run(cfg, world_size=world.size)
     rundir.probe_lock(run_dir)
@@ -221,6 +230,7 @@ def _preflight(args: Sequence[str], run_dir: Path) -> None:
         from kfac_bench.train.elastic import check_launch
 
         check_launch(run_dir, cfg, world.size)  # before this node starts a rank
+    return cfg
 
 
 def main(argv: Sequence[str] | None = None) -> int:
