@@ -19,7 +19,9 @@ usage: kfac-bench plan [+recipe=NAME] [kfac.KEY=VALUE ...] [plan.KEY=VALUE ...]
 
 For each world size x grad_worker_fraction (every one that gives equal groups) x placement (lpt, round_robin)
 x factor reduction (allreduce, reduce): factor elements and decomposition cost (sum of n^3) per rank, K-FAC
-memory per rank by category, and the bytes each collective sends per step / factor step / decomposition step.
+memory per rank by category, and the bytes each collective sends per step / factor step / decomposition step;
+per world size, the factor computation per rank over the rows kfac.factor_batch_fraction and
+kfac.factor_position_fraction keep.
 The model is built on the meta device from the recipe exactly as `kfac-bench train` composes it.
 
 plan keys:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kfac_bench.config import config_dir
+from kfac_bench.config.command_line import CFG_CHOICES, INFO_CHOICES, config_dirs_of, split_args
 from kfac_bench.errors import ConfigError, UserError
 
 __all__ = ["SUMMARY", "check_overrides", "config_dirs_of", "help_text", "main"]
@@ -27,25 +28,6 @@ SUMMARY = """\
   train     train a model: kfac-bench train [+recipe=NAME] [group=option] [key=value ...]
             (kfac-bench train --help lists the config groups, options and recipes)"""
 
-#: Hydra's flags that take the next argument as their value (``--cfg job`` as well as ``--cfg=job``), and
-#: ``--info`` / ``-i``, whose value is optional: the next argument is its value only if it is one of these
-#: choices (hydra/_internal/utils.py ``get_args_parser``, Hydra 1.3).
-_FLAGS_WITH_VALUE = {
-    "--cfg",
-    "-c",
-    "--package",
-    "-p",
-    "--config-name",
-    "-cn",
-    "--config-path",
-    "-cp",
-    "--config-dir",
-    "-cd",
-    "--experimental-rerun",
-}
-_FLAGS_WITH_OPTIONAL_VALUE = {"--info", "-i"}
-_INFO_CHOICES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
-_CFG_CHOICES = {"job", "hydra", "all"}
 #: Hydra runs in one of these modes; naming two is an error in any Hydra application.
 _MODES = {
     "--run": "--run",
@@ -111,40 +93,6 @@ def _default_choices() -> dict[str, str]:
     return {str(k): str(v) for k, v in cfg.hydra.runtime.choices.items()}
 
 
-def _split(args: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(flags with their values, overrides), as Hydra's own command-line parser splits them."""
-    flags: list[str] = []
-    overrides: list[str] = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        i += 1
-        if not arg.startswith("-"):
-            overrides.append(arg)
-            continue
-        flags.append(arg)
-        takes_next = arg in _FLAGS_WITH_VALUE or (
-            arg in _FLAGS_WITH_OPTIONAL_VALUE and i < len(args) and args[i] in _INFO_CHOICES
-        )
-        if takes_next and i < len(args):
-            flags.append(args[i])
-            i += 1
-    return flags, overrides
-
-
-def config_dirs_of(flags: Sequence[str]) -> list[str]:
-    """The directories of Hydra's ``--config-dir DIR`` / ``--config-dir=DIR`` / ``-cd DIR`` flags."""
-    dirs = []
-    for i, flag in enumerate(flags):
-        name, eq, value = flag.partition("=")
-        if name in ("--config-dir", "-cd"):
-            if eq:
-                dirs.append(value)
-            elif i + 1 < len(flags):
-                dirs.append(flags[i + 1])
-    return dirs
-
-
 def check_overrides(
     overrides: Sequence[str], multirun: bool, config_dirs: Sequence[str] = ()
 ) -> Any:
@@ -208,7 +156,7 @@ def main(args: Sequence[str]) -> int:
         catch_early()  # a preemption signal during the imports below is kept, not fatal
     from kfac_bench.config.compose import normalize_overrides
 
-    flags, overrides = _split(args)
+    flags, overrides = split_args(args)
     locked: Path | None = None
     try:
         names = _check_flags(flags)
@@ -230,9 +178,13 @@ def main(args: Sequence[str]) -> int:
     if shared and _secondary_rank():
         # Hydra would create a directory of this rank's own (another time stamp and suffix) holding only
         # .hydra/; the rank trains in rank 0's instead (kfac_bench.train.run.train), so it writes none.
-        args = [*args, "hydra.output_subdir=null", "hydra.run.dir=."]
+        overrides = [*overrides, "hydra.output_subdir=null", "hydra.run.dir=."]
     try:
-        return _run_hydra(normalize_overrides(args), shared)
+        # Overrides first, then the flags with their values: Hydra's parser (argparse) takes the overrides
+        # as one run of positionals and refuses an override after a flag, while the launch scripts put
+        # hydra.run.dir= before the user's arguments (--config-dir DIR ...); a flag with an optional value
+        # (-i) stays without one, as split_args read it.
+        return _run_hydra([*normalize_overrides(overrides), *flags], shared)
     finally:
         if locked is not None:
             from kfac_bench.train import rundir
@@ -274,15 +226,15 @@ def _check_flags(flags: list[str]) -> set[str]:
         raise ConfigError(
             f"Hydra takes one of --run, --multirun, --cfg, --info, --shell-completion; got {', '.join(modes)}"
         )
-    for name, choices in (("--cfg", _CFG_CHOICES), ("-c", _CFG_CHOICES)):
+    for name, choices in (("--cfg", CFG_CHOICES), ("-c", CFG_CHOICES)):
         if name in values and values[name] not in choices:
             raise ConfigError(
                 f"{name} '{values[name]}' is not one of {', '.join(sorted(choices))} (e.g. {name} job)"
             )
     for name in ("--info", "-i"):
-        if values.get(name) and values[name] not in _INFO_CHOICES:
+        if values.get(name) and values[name] not in INFO_CHOICES:
             raise ConfigError(
-                f"{name} '{values[name]}' is not one of {', '.join(sorted(_INFO_CHOICES))}"
+                f"{name} '{values[name]}' is not one of {', '.join(sorted(INFO_CHOICES))}"
             )
     return set(names)
 
@@ -384,9 +336,10 @@ def _run_hydra(args: list[str], run_dir_from_rank_0: bool = False) -> int:
 def _job(cfg: Any, run_dir: Path, overrides: list[str], run_dir_from_rank_0: bool = False) -> int:
     from kfac_bench.train import rundir
     from kfac_bench.train.launch import inside_launched_worker, launch_torchrun
-    from kfac_bench.train.preflight import check_run
+    from kfac_bench.train.preflight import check_run, job_world
 
-    check_run(cfg)
+    world = job_world(cfg)  # one reading for the device check and the resume check
+    check_run(cfg, world.size)
     launcher = cfg.launcher
     if str(launcher.name.value) == "torchrun" and not inside_launched_worker():
         # This process owns the run for its ranks: the lock, the recorded config, the marker.
@@ -395,7 +348,7 @@ def _job(cfg: Any, run_dir: Path, overrides: list[str], run_dir_from_rank_0: boo
         try:
             from kfac_bench.train.elastic import check_launch
 
-            check_launch(run_dir, cfg, launcher.nproc_per_node)  # before any rank starts
+            check_launch(run_dir, cfg, world.size)  # before any rank starts
             return launch_torchrun(
                 overrides,
                 run_dir,

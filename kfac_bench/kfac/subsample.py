@@ -53,7 +53,7 @@ from torch import nn
 from .layers import Gram, LayerHandler
 from .options import FactorScaling
 
-__all__ = ["ExampleSubset", "PositionSubset", "check_fraction"]
+__all__ = ["ExampleSubset", "PositionSubset", "check_fraction", "subset_size"]
 
 
 def check_fraction(fraction: float, name: str = "factor_batch_fraction") -> float:
@@ -63,6 +63,13 @@ def check_fraction(fraction: float, name: str = "factor_batch_fraction") -> floa
         what = "every output position" if "position" in name else "every example"
         raise ValueError(f"{name}={fraction!r} must be in (0, 1] (1 = {what}, exact)")
     return value
+
+
+def subset_size(fraction: float, n: int) -> int:
+    """How many of ``n`` examples (or rows of output positions) a draw at ``fraction`` takes:
+    ``max(1, round(fraction·n))`` (Python's round: halves to even), at most ``n``; ``n`` means every one,
+    and nothing is drawn. The one rule of both options, shared with the planner (``kfac-bench plan``)."""
+    return min(n, max(1, round(fraction * n)))
 
 
 class ExampleSubset:
@@ -87,7 +94,7 @@ class ExampleSubset:
         if x.dim() < 2 or (spatial and x.dim() < 4):
             return None
         n = x.shape[0]
-        k = max(1, round(self.fraction * n))
+        k = subset_size(self.fraction, n)
         if k >= n:
             return None
         key = (self.steps(), micro_batch, n, x.device)
@@ -127,7 +134,7 @@ class PositionSubset:
         self, name: str, micro_batch: int, out_h: int, device: torch.device
     ) -> torch.Tensor | None:
         """Sorted indices of the output rows to use, or None for all of them (too few to thin out)."""
-        k = max(1, round(self.fraction * out_h))
+        k = subset_size(self.fraction, out_h)
         if k >= out_h:
             return None
         seed = (self.steps() * 1_000_003 + micro_batch * 1_009 + out_h) * 65_537 + zlib.crc32(

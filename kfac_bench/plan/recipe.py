@@ -29,7 +29,10 @@ from kfac_bench.kfac import ComputeMethod, LayerSpec, ModelScan, scan_model
 from kfac_bench.kfac.options import AssignmentStrategy
 from kfac_bench.kfac.preconditioner import resolve_dtypes
 from kfac_bench.kfac.second_order import RankRule, SecondOrderMethod, second_order_method
+from kfac_bench.kfac.subsample import check_fraction
 from kfac_bench.models.layer_types import register_harness_layer_types
+
+from .factors import FactorCalls, factor_calls, model_input
 
 __all__ = ["EngineSettings", "PlannedModel", "build_meta_model", "engine_settings", "load_recipe"]
 
@@ -55,6 +58,9 @@ class EngineSettings:
     factor_update_steps: int
     inv_update_steps: int
     reference_world_size: int | None
+    # Which rows the factor products use (kfac_bench.plan.factors); the factors keep their size.
+    factor_batch_fraction: float = 1.0
+    factor_position_fraction: float = 1.0
 
     def part_bytes(self, a_dim: int, g_dim: int) -> dict[str, int]:
         """Bytes of each second-order part of an ``(a_dim, g_dim)`` layer ("a", "g" and the method's
@@ -85,6 +91,7 @@ class PlannedModel:
     batch_size: int
     global_batch_size: int | None
     default_accumulation: int
+    factor_calls: FactorCalls
 
     @property
     def layers(self) -> list[LayerSpec]:
@@ -156,6 +163,8 @@ def engine_settings(
     reference_world_size: int | None = None,
     lowrank_fraction: float = 0.25,
     lowrank_min_dim: int = 1024,
+    factor_batch_fraction: float = 1.0,
+    factor_position_fraction: float = 1.0,
 ) -> EngineSettings:
     """The settings of ``KFACPreconditioner(model, **same keyword arguments)``, resolved as the engine
     resolves them (dtypes from the model, the second-order method with or without the outer product)."""
@@ -182,6 +191,10 @@ def engine_settings(
         factor_update_steps=factor_update_steps,
         inv_update_steps=inv_update_steps,
         reference_world_size=reference_world_size,
+        factor_batch_fraction=check_fraction(factor_batch_fraction),
+        factor_position_fraction=check_fraction(
+            factor_position_fraction, "factor_position_fraction"
+        ),
     )
 
 
@@ -203,6 +216,8 @@ def _settings(model: nn.Module, kfac: Any) -> EngineSettings:
         reference_world_size=kfac.reference_world_size,
         lowrank_fraction=float(kfac.lowrank_fraction),
         lowrank_min_dim=int(kfac.lowrank_min_dim),
+        factor_batch_fraction=float(kfac.factor_batch_fraction),
+        factor_position_fraction=float(kfac.factor_position_fraction),
     )
 
 
@@ -230,11 +245,19 @@ def load_recipe(overrides: Sequence[str]) -> PlannedModel:
     args = OmegaConf.to_container(cfg.model, resolve=True)
     assert isinstance(args, dict)
     t = cfg.train
+    settings = _settings(model, cfg.kfac)
+    calls = factor_calls(
+        model,
+        scan.layers,
+        model_input(cfg.dataset, int(t.batch_size)),
+        settings.factor_batch_fraction,
+        settings.factor_position_fraction,
+    )
     return PlannedModel(
         recipe=recipe,
         model=model,
         scan=scan,
-        settings=_settings(model, cfg.kfac),
+        settings=settings,
         skip_layers=skip,
         model_target=str(args.pop("_target_")),
         model_args={str(k): v for k, v in args.items()},
@@ -242,4 +265,5 @@ def load_recipe(overrides: Sequence[str]) -> PlannedModel:
         batch_size=int(t.batch_size),
         global_batch_size=t.global_batch_size,
         default_accumulation=int(t.accumulation_steps),
+        factor_calls=calls,
     )

@@ -42,8 +42,20 @@ def build_plan(planned: PlannedModel, cfg: PlanConfig, rates: Rates) -> dict[str
     """Every row of the plan, with the recommendation and the KAISA Table 5 comparison where they apply."""
     s = planned.settings
     rows = []
+    factor_stage = []
     for n in cfg.world_sizes:
         intervals = s.intervals(n)
+        micro = planned.accumulation(n)
+        flops = planned.factor_calls.flops(micro)
+        factor_stage.append(
+            {
+                "world_size": n,
+                "micro_batches": micro,
+                "flops_per_factor_step": flops,
+                "seconds_per_factor_step": None if flops is None else flops / rates.gemm_flops,
+                "factor_update_steps": intervals[0],
+            }
+        )
         for m in grad_worker_counts(n, cfg.fractions):
             for placement in (Placement.LPT, Placement.ROUND_ROBIN):
                 for reduction in (FactorReduction.ALLREDUCE, FactorReduction.REDUCE):
@@ -54,7 +66,7 @@ def build_plan(planned: PlannedModel, cfg: PlanConfig, rates: Rates) -> dict[str
                         planned.accumulation(n),
                     )
                     row = row_dict(loads, intervals)
-                    row["seconds"] = stage_seconds(loads, rates, intervals)
+                    row["seconds"] = stage_seconds(loads, rates, intervals, flops)
                     rows.append(row)
     plan: dict[str, Any] = {
         "recipe": planned.recipe,
@@ -73,6 +85,13 @@ def build_plan(planned: PlannedModel, cfg: PlanConfig, rates: Rates) -> dict[str
             "factor_update_steps": s.factor_update_steps,
             "inv_update_steps": s.inv_update_steps,
             "reference_world_size": s.reference_world_size,
+            "factor_batch_fraction": s.factor_batch_fraction,
+            "factor_position_fraction": s.factor_position_fraction,
+        },
+        "factor_computation": {
+            **planned.factor_calls.to_dict(),
+            "micro_batch": planned.batch_size,
+            "per_world_size": factor_stage,
         },
         "rates": rates.to_dict(),
         "layers": [
@@ -183,6 +202,40 @@ def _line(row: dict[str, Any]) -> str:
     )
 
 
+def _factor_rows(plan: dict[str, Any]) -> str:
+    """The rows the factor products use: the fractions, and what they keep of one micro-batch."""
+    fc, s = plan["factor_computation"], plan["settings"]
+    fb, fp = s["factor_batch_fraction"], s["factor_position_fraction"]
+    text = (
+        f"factor statistics: factor_batch_fraction={fb:g}, factor_position_fraction={fp:g} "
+        f"(micro-batch {fc['micro_batch']}"
+    )
+    if fc["reason"] is not None:
+        return f"{text}); factor computation not planned: {fc['reason']}"
+    used = sum(c["examples_used"] * c["positions_used"] for c in fc["calls"])
+    every = sum(c["examples"] * c["positions"] for c in fc["calls"])
+    ratio = sum(c["flops"] for c in fc["calls"]) / sum(c["exact_flops"] for c in fc["calls"])
+    return (
+        f"{text}: {_count(used)} of {_count(every)} rows over its layer calls; "
+        f"factor computation {ratio:.3g}x that of every row)"
+    )
+
+
+def _factor_stage(plan: dict[str, Any], world_size: int) -> str:
+    """The factor computation per rank at ``world_size`` (the same for every row)."""
+    fc = plan["factor_computation"]
+    if fc["reason"] is not None:
+        return "factor computation not planned"
+    w = next(x for x in fc["per_world_size"] if x["world_size"] == world_size)
+    micro = w["micro_batches"]
+    return (
+        f"factor computation per rank {w['flops_per_factor_step'] / 1e9:.3g} GFLOP per factor step "
+        f"({micro} micro-batch{'es' if micro > 1 else ''}), "
+        f"~{1e3 * w['seconds_per_factor_step']:.2f} ms at the GEMM rate, factors every "
+        f"{w['factor_update_steps']} step{'s' if w['factor_update_steps'] > 1 else ''}"
+    )
+
+
 def render(plan: dict[str, Any]) -> str:
     """The plan as text: a header, one line per row grouped by world size, recommendations, Table 5."""
     s, cov = plan["settings"], plan["coverage"]
@@ -197,13 +250,18 @@ def render(plan: dict[str, Any]) -> str:
         f"buckets {s['allreduce_bucket_cap_mb']:g} MB, "
         f"intervals {s['factor_update_steps']}/{s['inv_update_steps']}"
         f"{' at reference world ' + str(s['reference_world_size']) if s['reference_world_size'] else ''}",
+        _factor_rows(plan),
         f"per rank: min..max over ranks, else the fullest rank; buffers = peak of batch factors + in-flight "
         f"factor buckets over a factor step; ms/step: {plan['rates']['source']}",
     ]
     for n in sorted({r["world_size"] for r in plan["rows"]}):
         here = [r for r in plan["rows"] if r["world_size"] == n]
         ideal = here[0]["decomposition_cost_per_rank"]["ideal"]
-        lines += ["", f"{n} GPUs (ideal Σn³ per rank {ideal:.2e})", HEADER]
+        lines += [
+            "",
+            f"{n} GPUs (ideal Σn³ per rank {ideal:.2e}); {_factor_stage(plan, n)}",
+            HEADER,
+        ]
         lines += [_line(r) for r in here]
     if "recommendations" in plan:
         lines += ["", f"recommended under {plan['memory_budget_gb']:g} GiB per GPU:"]

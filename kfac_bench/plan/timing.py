@@ -3,9 +3,10 @@
 The rates are either nominal V100 figures (the papers' GPU) or measured on this machine's device
 (:mod:`kfac_bench.plan.profile`). The network is a bandwidth term only, per collective algorithm: a ring
 all-reduce moves ``2 (p-1)/p`` of its payload through each rank, a reduce half of that, a minimum-spanning-
-tree broadcast ``ceil(log2 p)`` times its payload (the O(log p) of KAISA §3.1). Latency, overlap with the
-backward pass and the factor computation (the same for every strategy) are not modelled: the seconds rank
-the rows of one plan, they do not predict a step time.
+tree broadcast ``ceil(log2 p)`` times its payload (the O(log p) of KAISA §3.1). Latency and overlap with the
+backward pass are not modelled: the seconds rank the rows of one plan, they do not predict a step time.
+The factor computation (the same for every strategy) is its GEMM floor at the GEMM rate, reported beside
+the ranking's seconds, not in them.
 """
 
 from __future__ import annotations
@@ -82,9 +83,17 @@ def _log2(p: int) -> int:
     return math.ceil(math.log2(p)) if p > 1 else 0
 
 
-def stage_seconds(loads: RankLoads, rates: Rates, intervals: tuple[int, int]) -> dict[str, float]:
+def stage_seconds(
+    loads: RankLoads,
+    rates: Rates,
+    intervals: tuple[int, int],
+    factor_flops: float | None = None,
+) -> dict[str, float | None]:
     """Seconds of each K-FAC stage on the slowest rank, and the K-FAC seconds per step amortised over the
-    (factor, decomposition) ``intervals`` (factor computation excluded: the same for every row)."""
+    (factor, decomposition) ``intervals`` (``per_step``: factor computation excluded, the same for every
+    row of a world size). ``factor_flops``: the factor computation per rank and factor step
+    (:mod:`kfac_bench.plan.factors`; None: not planned), at the GEMM rate: ``factor_computation`` per
+    factor step, ``factor_computation_per_step`` amortised."""
     s = loads.scenario
     n, m = s.world_size, s.grad_workers
     bw = rates.bandwidth_bytes
@@ -104,10 +113,16 @@ def stage_seconds(loads: RankLoads, rates: Rates, intervals: tuple[int, int]) ->
         "grad_broadcast": comm.get("grad_broadcast", 0.0),
     }
     f, k = intervals
-    out["per_step"] = (
+    per_step = (
         out["precondition"]
         + out["grad_broadcast"]
         + out["factor_comm"] / f
         + (out["decomposition"] + out["decomposition_broadcast"]) / k
     )
-    return out
+    factor = None if factor_flops is None else factor_flops / rates.gemm_flops
+    return {
+        **out,
+        "per_step": per_step,
+        "factor_computation": factor,
+        "factor_computation_per_step": None if factor is None else factor / f,
+    }

@@ -30,6 +30,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kfac_bench.errors import UserError
 from kfac_bench.train import rundir
@@ -177,71 +178,59 @@ def _override_value(arg: str) -> str:
     )
 
 
-def _train_overrides(args: Sequence[str]) -> list[str]:
-    """The ``kfac-bench train`` overrides after ``-m kfac_bench.cli train``."""
+def _train_args(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The ``kfac-bench train`` (flags with their values, overrides) after ``-m kfac_bench.cli train``, split
+    as Hydra splits them (``--config-dir DIR``: DIR is the flag's, not an override)."""
+    from kfac_bench.config.command_line import split_args
+
     args = list(args)
     for i in range(len(args) - 2):
         if args[i : i + 3] == ["-m", "kfac_bench.cli", "train"]:
-            return [a for a in args[i + 3 :] if not a.startswith("-")]
+            return split_args(args[i + 3 :])
     raise UserError("the command must end in -m kfac_bench.cli train [overrides ...]")
 
 
-def _option(args: Sequence[str], name: str, default: str) -> str:
-    """The value of torchrun's option ``--name=V`` / ``--name V`` before ``-m`` (the last one wins)."""
-    value = default
-    head = list(args[: args.index("-m")] if "-m" in args else args)
-    for i, arg in enumerate(head):
-        if arg.startswith(f"{name}="):
-            value = arg.split("=", 1)[1]
-        elif arg == name and i + 1 < len(head):
-            value = head[i + 1]
-    return value
-
-
 def world_size_of(args: Sequence[str]) -> int:
-    """The ranks torchrun's ``args`` start over all nodes (``--nnodes`` may be a range ``MIN:MAX``;
-    ``--nproc-per-node=gpu`` is this node's CUDA device count, as torchrun counts it).
+    """The ranks torchrun's ``args`` start over all nodes (the most of an elastic ``--nnodes=MIN:MAX``):
+    :func:`~kfac_bench.train.preflight.job_world`'s.
 
     Raises:
         UserError: ``--nproc-per-node=gpu`` on a machine without a CUDA device.
     """
-    nnodes = int(_option(args, "--nnodes", "1").split(":")[-1])
-    nproc = _option(args, "--nproc-per-node", _option(args, "--nproc_per_node", "1"))
-    if nproc in ("gpu", "auto"):
-        import torch
+    from kfac_bench.train.preflight import job_world
 
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0 and nproc == "gpu":
-            raise UserError(
-                "--nproc-per-node=gpu (one rank per GPU) but this machine has no usable CUDA device: "
-                "run on a GPU node, or set the ranks per node (GPUS_PER_NODE=N) and pass train.device=cpu"
-            )
-        return nnodes * max(count, 1 if nproc == "gpu" else os.cpu_count() or 1)
-    return nnodes * int(nproc)
+    return job_world(None, torchrun_args=args).size
 
 
 def torchrun_world_size(args: Sequence[str]) -> int | None:
     """The ranks torchrun's ``args`` start when that is one fixed number, None for an elastic
     ``--nnodes=MIN:MAX`` (the ranks then check the world they find themselves)."""
-    if ":" in _option(args, "--nnodes", "1"):
-        return None
-    return world_size_of(args)
+    from kfac_bench.train.preflight import job_world
+
+    world = job_world(None, torchrun_args=args)
+    return world.size if world.fixed else None
 
 
-def _preflight(args: Sequence[str], run_dir: Path) -> None:
+def _preflight(args: Sequence[str], run_dir: Path) -> Any:
+    """Check the job before this node starts a rank (config, device, run directory, world); returns the
+    composed config. The user's ``--config-dir`` (any of Hydra's forms) is on its search path, as on the
+    ranks'."""
+    from kfac_bench.config.command_line import config_dirs_of
     from kfac_bench.config.compose import compose_run
-    from kfac_bench.train.preflight import check_run
+    from kfac_bench.train.preflight import check_run, job_world
 
-    overrides = [o for o in _train_overrides(args) if not o.startswith("hydra.")]
-    cfg = compose_run(overrides)
-    check_run(cfg, world_size=world_size_of(args))
+    flags, overrides = _train_args(args)
+    overrides = [o for o in overrides if not o.startswith("hydra.")]
+    cfg = compose_run(overrides, config_dirs=config_dirs_of(flags))
+    world = job_world(cfg, torchrun_args=args)  # one reading for both checks
+    check_run(cfg, world_size=world.size)
     rundir.probe_lock(run_dir)
     rundir.check_config(run_dir, cfg)
-    world_size = torchrun_world_size(args)
-    if world_size is not None:
+    if world.fixed:
         from kfac_bench.train.elastic import check_launch
 
-        check_launch(run_dir, cfg, world_size)  # before this node starts a rank
+        check_launch(run_dir, cfg, world.size)  # before this node starts a rank
+    return cfg
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,17 +5,20 @@ the library of ``train.tracker``."""
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from kfac_bench.config.bounds import validate_run
-from kfac_bench.errors import ConfigError
+from kfac_bench.errors import ConfigError, UserError
 
 __all__ = [
+    "JobWorld",
     "check_device",
     "check_run",
     "check_targets",
     "check_tracker",
-    "launched_world_size",
+    "job_world",
 ]
 
 #: ``train.tracker`` -> (the module it needs, how to install it).
@@ -52,18 +55,74 @@ def check_device(cfg: Any, world_size: int = 1) -> None:
         )
 
 
-def launched_world_size(cfg: Any) -> int:
-    """The ranks of the job this process starts or belongs to: the job's world size inside a
-    torchrun/SLURM job, ``launcher.nproc_per_node`` when this process launches ranks itself, else 1."""
+class JobWorld(NamedTuple):
+    """The ranks of a job, as the process that checks it before they start sees them.
+
+    Attributes:
+        size: how many (the most of an elastic ``--nnodes=MIN:MAX``).
+        fixed: one fixed number; False for an elastic range, whose ranks check the world they find.
+    """
+
+    size: int
+    fixed: bool = True
+
+
+def job_world(cfg: Any, torchrun_args: Sequence[str] | None = None) -> JobWorld:
+    """The one reader of a job's world size, for the device check (:func:`check_run`) and the resume check
+    on another world (:func:`kfac_bench.train.elastic.check_launch`) alike.
+
+    Args:
+        cfg: the composed run config (unused with ``torchrun_args``).
+        torchrun_args: torchrun's command line, for the agent that starts a node's ranks
+            (:mod:`kfac_bench.train.agent`, under ``launch/slurm.sbatch`` / ``torchrun_multinode.sh``):
+            ``--nnodes`` × ``--nproc-per-node`` (``gpu``: this node's CUDA devices, as torchrun counts).
+            Without it: the job's world size inside a torchrun/SLURM job, ``launcher.nproc_per_node``
+            when this process launches the ranks itself (``launcher=torchrun``), else 1.
+
+    Raises:
+        UserError: ``--nproc-per-node=gpu`` on a machine without a CUDA device.
+    """
+    if torchrun_args is not None:
+        return _torchrun_world(torchrun_args)
     from kfac_bench.train.distributed import detect
     from kfac_bench.train.launch import inside_launched_worker
 
     if inside_launched_worker():
-        return detect().world_size
+        return JobWorld(detect().world_size)
     launcher = cfg.launcher
     if str(getattr(launcher.name, "value", launcher.name)) == "torchrun":
-        return int(launcher.nproc_per_node)
-    return 1
+        return JobWorld(int(launcher.nproc_per_node))
+    return JobWorld(1)
+
+
+def _torchrun_world(args: Sequence[str]) -> JobWorld:
+    nnodes = _option(args, "--nnodes", "1")
+    nodes = int(nnodes.split(":")[-1])
+    fixed = ":" not in nnodes
+    nproc = _option(args, "--nproc-per-node", _option(args, "--nproc_per_node", "1"))
+    if nproc in ("gpu", "auto"):
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 and nproc == "gpu":
+            raise UserError(
+                "--nproc-per-node=gpu (one rank per GPU) but this machine has no usable CUDA device: "
+                "run on a GPU node, or set the ranks per node (GPUS_PER_NODE=N) and pass train.device=cpu"
+            )
+        return JobWorld(nodes * max(count, 1 if nproc == "gpu" else os.cpu_count() or 1), fixed)
+    return JobWorld(nodes * int(nproc), fixed)
+
+
+def _option(args: Sequence[str], name: str, default: str) -> str:
+    """The value of torchrun's option ``--name=V`` / ``--name V`` before ``-m`` (the last one wins)."""
+    value = default
+    head = list(args[: args.index("-m")] if "-m" in args else args)
+    for i, arg in enumerate(head):
+        if arg.startswith(f"{name}="):
+            value = arg.split("=", 1)[1]
+        elif arg == name and i + 1 < len(head):
+            value = head[i + 1]
+    return value
 
 
 def check_targets(cfg: Any) -> None:
@@ -113,12 +172,12 @@ def check_tracker(cfg: Any) -> None:
 
 def check_run(cfg: Any, world_size: int | None = None) -> None:
     """All of the above, in order: bounds, device, targets, tracker. ``world_size``: the ranks of the job
-    (default: :func:`launched_world_size`).
+    (default: :func:`job_world`'s).
 
     Raises:
         ConfigError: the first problem, as one line.
     """
     validate_run(cfg)
-    check_device(cfg, launched_world_size(cfg) if world_size is None else world_size)
+    check_device(cfg, job_world(cfg).size if world_size is None else world_size)
     check_targets(cfg)
     check_tracker(cfg)

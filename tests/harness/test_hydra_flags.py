@@ -12,7 +12,7 @@ from hydra._internal.utils import get_args_parser
 from omegaconf import OmegaConf
 
 from kfac_bench.cli import main
-from kfac_bench.commands.train import _split
+from kfac_bench.config.command_line import split_args as _split
 from kfac_bench.config.compose import compose_run
 from tests.harness.util import run_cli
 
