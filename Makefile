@@ -6,8 +6,9 @@ STAMP  := $(VENV)/.installed
 PIP_INSTALL := $(BIN)/pip install --disable-pip-version-check -q -c constraints.txt
 # pytest-xdist workers (0: one process). Whole test files go to one worker (--dist loadfile), so a module's
 # fixtures (the BERT and SQuAD smoke chains) are built once; most tests wait on subprocesses or sleep.
+# Files go out in collection order, longest first (tests/conftest.py), not xdist's most-tests-first.
 PYTEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+PYTEST := $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .DEFAULT_GOAL := help
 .PHONY: help setup train test test-fast test-slow lint format bench gpu-check clean
