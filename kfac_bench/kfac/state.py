@@ -28,7 +28,8 @@ class Accumulator:
         self.count += count
 
     def pop(self, scaling: FactorScaling, is_g: bool) -> torch.Tensor | None:
-        """The normalised batch factor (None if nothing was accumulated); resets the accumulator."""
+        """The normalised batch factor, in the accumulated sum's own buffer (None if nothing was
+        accumulated); resets the accumulator."""
         if self.total is None:
             return None
         out = normalise(self.total, self.count, scaling, is_g)

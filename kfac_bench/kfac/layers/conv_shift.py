@@ -183,13 +183,21 @@ def _phase_grids(x: Tensor, stride: Pair, plan: ConvPlan) -> Tensor:
     to ``(C, H·N·Wpad)``, a 2-D shift ``(dy, dx)`` is the column offset ``dy·N·Wpad + dx``: the zero margin
     of ``|dx|`` columns keeps pairs that wrap into the next row segment at zero, and a row shift never
     wraps (it runs off the end of the buffer instead), so rows need no margin.
+
+    With several grids (a strided convolution) ``x`` is first copied to the grids' ``(C, H, N, W)`` order:
+    each grid then gathers its every-``sw``-th column from contiguous rows of all examples instead of from
+    ``N`` places ``C·H·W`` apart (ResNet-32's two stride-2 layers: about 2× faster, 1 thread; the copy is
+    freed on return).
     """
     n, c = x.shape[:2]
     hpad, wpad = plan.pad_shape
     grids = x.new_zeros(len(plan.grid_phases), c, hpad, n, wpad)
+    rows = x.permute(1, 2, 0, 3)  # (C, H, N, W)
+    if len(plan.grid_phases) > 1:
+        rows = rows.contiguous()
     for g, (pr, pc) in enumerate(plan.grid_phases):
         hg, wg = plan.ax_r.length[pr], plan.ax_c.length[pc]
-        grids[g, :, :hg, :, :wg] = x[:, :, pr :: stride[0], pc :: stride[1]].permute(1, 2, 0, 3)
+        grids[g, :, :hg, :, :wg] = rows[:, pr :: stride[0], :, pc :: stride[1]]
     return grids
 
 
@@ -280,7 +288,8 @@ def conv2d_a_factor_shift(
 ) -> Tensor:
     """Input factor by the shift-correlation method (module docstring); contract of the unfold reference.
 
-    Memory: one zero-margined copy of the input (its phase grids), the result, and thin boundary bands.
+    Memory: one zero-margined copy of the input (its phase grids), the result, and thin boundary bands
+    (strided: one more transient copy of the input while the grids are built).
     The result is a curvature statistic, not part of the autograd graph: ``x`` is read detached.
     """
     x = x.detach()
