@@ -9,6 +9,11 @@ implementation (kfac-pytorch, imported from its source tree at PATH), so every a
 A *round* is one decomposition interval; an arm's time per step of a round includes its one decomposition
 (amortised). The report gives medians over rounds (at least 3), one thread by default.
 
+The reference is built with the first variant's hyperparameters, mapped onto its constructor
+(:meth:`Reference.arguments` documents the mapping); what it cannot match is printed under its row. It has
+no stage timers, so every arm's step is also split into forward + backward (the reference computes its
+factors in the module hooks, there), ``precond.step()`` and the optimizer update.
+
 Each engine stage (``KFACPreconditioner.stage_times``, ms per step) is set against its *floor* on this
 machine: the factor stage against the FLOPs of its factor GEMMs (``2·rows·d²`` per factor, rows = examples ×
 positions) at the GEMM rate measured here, the decomposition stage against bare ``torch.linalg.eigh`` of the
