@@ -479,9 +479,8 @@ def measure(
             "step_s": step_s["reference"],
             "ratio": step_s["reference"] / sgd_s,
             "ours_over_reference": step_s[main] / step_s["reference"],
-            "layers": len(
-                getattr(r_arm.precond, "_layers", ())
-            ),  # kfac-pytorch's registered layers
+            # the layers kfac-pytorch registered (its current API keeps them in ``_layers``)
+            "layers": len(getattr(r_arm.precond, "_layers", ())),
             "arguments": {k: repr(v) for k, v in given.items()},
             "unmatched": unmatched,
         }
@@ -542,6 +541,9 @@ _REFERENCE_IRRELEVANT = (
     "lowrank_min_dim",
     "grad_scaler",
 )
+#: The SC20-era ``kfac.KFAC``'s fixed behaviour: its factors split the Kronecker product of ours
+#: (``'per_example'``) differently, which the eigen method does not see; it places layers round-robin.
+_LEGACY_FIXED = {**_REFERENCE_FIXED, "factor_scaling": "per_example", "placement": "round_robin"}
 _STRATEGY_FRACTIONS = {"comm_opt": 1.0, "hybrid_opt": 0.5, "mem_opt": 0.0}  # its 0: 1/world size
 
 
@@ -593,7 +595,7 @@ class Reference:
         """
         ours = {**engine_defaults(), **a}
         unmatched: dict[str, str] = {}
-        for name, fixed in _REFERENCE_FIXED.items():
+        for name, fixed in (_LEGACY_FIXED if self.legacy else _REFERENCE_FIXED).items():
             if ours.get(name) != fixed:
                 unmatched[name] = f"ours {_plain(ours.get(name))!r}, reference {fixed!r}"
         unknown = sorted(
@@ -615,7 +617,7 @@ class Reference:
                 "kl_clip",
             }
             defaults = engine_defaults()
-            for name in sorted(set(a) - taken):
+            for name in sorted(set(a) - taken - set(_LEGACY_FIXED) - set(_REFERENCE_IRRELEVANT)):
                 if a[name] != defaults.get(name):
                     unmatched.setdefault(
                         name, f"ours {_plain(a[name])!r}, kfac.KFAC takes no {name}"

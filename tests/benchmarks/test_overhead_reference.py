@@ -218,3 +218,62 @@ def test_source_tree_without_its_metadata_is_one_line(tmp_path: Path, isolated: 
     )
     with pytest.raises(SystemExit, match="pip install --no-deps -e"):
         reference_factory(str(root))
+
+
+# An SC20-era kfac.KFAC signature (kfac-pytorch's kfac/kfac.py of the diag_blocks era), defaults included.
+_LEGACY_STAND_IN = '''
+"""Stand-in for SC20-era kfac-pytorch: kfac.KFAC's keywords, recorded."""
+
+BUILT = []
+
+
+class KFAC:
+    def __init__(
+        self,
+        model,
+        lr=0.1,
+        factor_decay=0.95,
+        damping=0.001,
+        kl_clip=0.001,
+        fac_update_freq=10,
+        kfac_update_freq=100,
+        use_eigen_decomp=True,
+        batch_averaged=True,
+        diag_blocks=1,
+        diag_warmup=0,
+        distribute_layer_factors=None,
+    ):
+        self.given = {k: v for k, v in locals().items() if k not in ("self", "model", "__class__")}
+        BUILT.append(self)
+
+    def step(self):
+        pass
+'''
+
+
+def test_sc20_era_reference_gets_what_it_takes(tmp_path: Path, isolated: None) -> None:
+    root = tmp_path / "kfac-sc20"
+    (root / "kfac").mkdir(parents=True)
+    (root / "kfac" / "__init__.py").write_text(_LEGACY_STAND_IN)
+    reference = reference_factory(str(root))
+    assert reference.legacy
+    ours = {"factor_update_steps": 1, "inv_update_steps": 10, "damping": 0.003, "lr": 1e-3}
+    built = reference(_tiny(), {**ours, "skip_layers": ()}, None)
+    assert built.given == {
+        "lr": 1e-3,
+        "factor_decay": 0.95,
+        "damping": 0.003,
+        "kl_clip": 0.001,
+        "fac_update_freq": 1,
+        "kfac_update_freq": 10,
+        "use_eigen_decomp": True,
+        "batch_averaged": True,
+        "diag_blocks": 1,
+        "diag_warmup": 0,
+        "distribute_layer_factors": None,
+    }
+    _, unmatched = reference.arguments(_tiny(), {**ours, "skip_layers": ("fc",)})
+    assert set(unmatched) == {
+        "placement",
+        "skip_layers",
+    }  # ours LPT by default; it takes no skip list
