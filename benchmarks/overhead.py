@@ -9,6 +9,11 @@ implementation (kfac-pytorch, imported from its source tree at PATH), so every a
 A *round* is one decomposition interval; an arm's time per step of a round includes its one decomposition
 (amortised). The report gives medians over rounds (at least 3), one thread by default.
 
+The reference is built with the first variant's hyperparameters, mapped onto its constructor
+(:meth:`Reference.arguments` documents the mapping); what it cannot match is printed under its row. It has
+no stage timers, so every arm's step is also split into forward + backward (the reference computes its
+factors in the module hooks, there), ``precond.step()`` and the optimizer update.
+
 Each engine stage (``KFACPreconditioner.stage_times``, ms per step) is set against its *floor* on this
 machine: the factor stage against the FLOPs of its factor GEMMs (``2·rows·d²`` per factor, rows = examples ×
 positions) at the GEMM rate measured here, the decomposition stage against bare ``torch.linalg.eigh`` of the
@@ -28,7 +33,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import enum
 import importlib
+import importlib.metadata
+import inspect
 import json
 import statistics
 import sys
@@ -41,7 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac_bench.kfac import STAGES, KFACPreconditioner
+from kfac_bench.kfac import STAGES, KFACPreconditioner, parse_grad_worker_fraction
+from kfac_bench.kfac.preconditioner import resolve_dtypes
 
 
 @dataclass
@@ -211,7 +220,7 @@ class Arm:
         model: nn.Module,
         setup: Setup,
         kfac: dict[str, Any] | None,
-        factory: Callable[[nn.Module], Any] | None = None,
+        factory: Callable[[nn.Module, Any], Any] | None = None,
     ) -> None:
         self.setup = setup
         if setup.channels_last:
@@ -219,9 +228,10 @@ class Arm:
         self.model = model.to(setup.device)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
         self.scaler = torch.amp.GradScaler(setup.device_type) if setup.grad_scaler else None
-        # Another preconditioner (the reference) from ``factory``: anything with a ``step()``.
+        # Another preconditioner (the reference) from ``factory(model, grad_scaler)``: anything with a
+        # ``step()``.
         self.precond: Any = (
-            factory(self.model)
+            factory(self.model, self.scaler)
             if factory is not None
             else KFACPreconditioner(
                 self.model, grad_scaler=self.scaler, track_stage_times=True, **kfac
@@ -262,6 +272,10 @@ class Arm:
         after = _stage_times(p)
         stages = {k: after[k] - before[k] for k in after}
         return StepTime(t3 - t0, t1 - t0, t2 - t1, t3 - t2, stages)
+
+
+#: The phases of one training step, as :class:`StepTime` splits it.
+PHASES = ("forward_backward", "precondition", "update")
 
 
 def _stage_times(p: Any) -> dict[str, float]:
@@ -366,47 +380,61 @@ def measure(
     warmup_steps: int = 3,
     setup: Setup | None = None,
     variants: tuple[str, ...] = ("exact",),
-    reference: Callable[[nn.Module, dict[str, Any]], Any] | None = None,
+    reference: Callable[[nn.Module, dict[str, Any], Any], Any] | None = None,
 ) -> dict[str, Any]:
     """Interleaved steps of SGD, each K-FAC variant (``parse_variant`` specs; the first is the main one)
-    and the reference (``reference(model, engine_arguments)`` builds its preconditioner): ``warmup_steps``
-    (first-call costs, the first decomposition), then ``cycles`` rounds of ``inv_steps`` steps, each
-    holding exactly one decomposition step. Medians over rounds."""
+    and the reference (``reference(model, engine_arguments, grad_scaler)`` builds its preconditioner from
+    the main variant's engine arguments, see :func:`reference_factory`): ``warmup_steps`` (first-call
+    costs, the first decomposition), then ``cycles`` rounds of ``inv_steps`` steps, each holding exactly
+    one decomposition step. Medians over rounds; each arm's step is also split into its phases
+    (forward + backward, ``precond.step()``, optimizer update), so the reference, which has no stage
+    timers, shows where its time goes against SGD's phases."""
     setup = setup or Setup()
     cadence = {"factor_update_steps": factor_steps, "inv_update_steps": inv_steps}
     torch.manual_seed(0)
     base = w.build()
     state = base.state_dict()
+    # kfac-pytorch's full backward hooks forbid in-place ops on a hooked module's output: with the
+    # reference, every arm runs the model with in-place activations off (the same model for all).
+    in_place_off = _out_of_place(base) if reference is not None else 0
 
     def copy() -> nn.Module:
         m = w.build()
         m.load_state_dict(state)
+        if in_place_off:
+            _out_of_place(m)
         return m
 
     arms: dict[str, Arm] = {"sgd": Arm(base, setup, None)}
     for spec in variants:
         arms[spec] = Arm(copy(), setup, kfac_arguments(w, **cadence, **parse_variant(spec)))
     if reference is not None:
-        args = kfac_arguments(w, **cadence)
-        arms["reference"] = Arm(copy(), setup, None, factory=lambda m: reference(m, args))
+        args = kfac_arguments(w, **cadence, **parse_variant(variants[0]))
+        arms["reference"] = Arm(copy(), setup, None, factory=lambda m, s: reference(m, args, s))
     g = torch.Generator().manual_seed(1)
     for _ in range(warmup_steps):
         b = setup.to_device(w.batch(g))
         for arm in arms.values():
             arm.step(w, b)
     per_cycle: dict[str, list[float]] = {k: [] for k in arms}
+    phase_cycles: dict[str, list[dict[str, float]]] = {k: [] for k in arms}
     stage_cycles: dict[str, list[dict[str, float]]] = {k: [] for k in variants}
     rates: list[float] = []
     eighs: list[float] = []
     for _ in range(cycles):
         before = {k: _stage_times(arms[k].precond) for k in variants}
         totals = dict.fromkeys(arms, 0.0)
+        phases = {k: dict.fromkeys(PHASES, 0.0) for k in arms}
         for _ in range(inv_steps):
             b = setup.to_device(w.batch(g))
             for k, arm in arms.items():
-                totals[k] += arm.step(w, b).total
+                t = arm.step(w, b)
+                totals[k] += t.total
+                for ph in PHASES:
+                    phases[k][ph] += getattr(t, ph)
         for k in arms:
             per_cycle[k].append(totals[k] / inv_steps)
+            phase_cycles[k].append({ph: v / inv_steps for ph, v in phases[k].items()})
         for k in variants:
             after = _stage_times(arms[k].precond)
             stage_cycles[k].append({s: (after[s] - before[k][s]) / inv_steps for s in STAGES})
@@ -437,12 +465,24 @@ def measure(
     }
     rows = factor_rows(p, arms[main].model, w, setup.to_device(w.batch(g)))
     rate = statistics.median(rates)
+    phases_s = {
+        k: {ph: statistics.median(c[ph] for c in v) for ph in PHASES}
+        for k, v in phase_cycles.items()
+    }
     ref = None
     if reference is not None:
+        r_arm = arms["reference"]
+        describe = getattr(reference, "arguments", None)
+        given, unmatched = describe(r_arm.model, args, r_arm.scaler) if describe else ({}, {})
         ref = {
+            "in_place_off": in_place_off,
             "step_s": step_s["reference"],
             "ratio": step_s["reference"] / sgd_s,
             "ours_over_reference": step_s[main] / step_s["reference"],
+            # the layers kfac-pytorch registered (its current API keeps them in ``_layers``)
+            "layers": len(getattr(r_arm.precond, "_layers", ())),
+            "arguments": {k: repr(v) for k, v in given.items()},
+            "unmatched": unmatched,
         }
     return {
         "workload": w.name,
@@ -458,61 +498,204 @@ def measure(
         "gemm_flops_per_s": rate,
         "eigh_check": check,
         "reference": ref,
+        "phases_s_per_step": phases_s,
         "layers": len(p.layers),
     }
 
 
-def reference_factory(path: str) -> Callable[[nn.Module, dict[str, Any]], Any]:
-    """A builder of the reference implementation's preconditioner (kfac-pytorch), imported from its source
-    tree at ``path``, with the engine arguments mapped onto its own: the current API
-    (``kfac.preconditioner.KFACPreconditioner``) or the SC20-era one (``kfac.KFAC``).
+#: Our engine's arguments that kfac-pytorch's ``KFACPreconditioner`` takes under the same name, meaning and
+#: values (enum options as their lower-case names, which it accepts as strings).
+_REFERENCE_SAME = (
+    "factor_update_steps",
+    "inv_update_steps",
+    "damping",
+    "factor_decay",
+    "kl_clip",
+    "lr",
+    "accumulation_steps",
+    "compute_eigenvalue_outer_product",
+    "colocate_factors",
+    "assignment_strategy",
+    "symmetry_aware",
+    "allreduce_bucket_cap_mb",
+)
+#: Our engine's arguments kfac-pytorch has no counterpart for, with the value that is its fixed behaviour:
+#: an arm with another value is reported as not matched.
+_REFERENCE_FIXED: dict[str, Any] = {
+    "factor_scaling": "kaisa",  # its get_cov: mean over all rows, conv A and G divided by positions
+    "placement": "lpt",
+    "factor_reduction": "allreduce",
+    "factor_batch_fraction": 1.0,
+    "factor_position_fraction": 1.0,
+    "comm_dtype": None,
+    "process_group": None,
+}
+#: Our engine's arguments that change nothing the reference arm could mirror here: instrumentation, a
+#: construction-time warning, the batch dimension only ``factor_scaling='per_example'`` reads, the
+#: low-rank method's knobs (an ``eigen_lowrank`` arm is reported through ``compute_method``).
+_REFERENCE_IRRELEVANT = (
+    "track_stage_times",
+    "coverage_threshold",
+    "batch_dim",
+    "lowrank_fraction",
+    "lowrank_min_dim",
+    "grad_scaler",
+)
+#: The SC20-era ``kfac.KFAC``'s fixed behaviour: its factors split the Kronecker product of ours
+#: (``'per_example'``) differently, which the eigen method does not see; it places layers round-robin.
+_LEGACY_FIXED = {**_REFERENCE_FIXED, "factor_scaling": "per_example", "placement": "round_robin"}
+_STRATEGY_FRACTIONS = {"comm_opt": 1.0, "hybrid_opt": 0.5, "mem_opt": 0.0}  # its 0: 1/world size
+
+
+def _plain(value: Any) -> Any:
+    """An option enum as its plain string value (kfac-pytorch parses strings, not our enums)."""
+    return str(value.value) if isinstance(value, enum.Enum) else value
+
+
+def engine_defaults() -> dict[str, Any]:
+    """Our ``KFACPreconditioner``'s keyword arguments and their defaults."""
+    params = inspect.signature(KFACPreconditioner).parameters.values()
+    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+
+
+@dataclass
+class Reference:
+    """kfac-pytorch imported from its source tree: builds its preconditioner for one of our arms.
+
+    ``reference(model, engine_arguments, grad_scaler)`` builds it with our engine's arguments mapped onto
+    its own (:meth:`arguments`). The current API is ``kfac.preconditioner.KFACPreconditioner`` (KAISA,
+    kfac-pytorch 0.4+); the SC20-era ``kfac.KFAC`` (``legacy``) takes the cadence, damping, decay, KL clip
+    and lr only.
+    """
+
+    path: str
+    cls: Any
+    legacy: bool = False
+
+    def arguments(
+        self, model: nn.Module, a: dict[str, Any], grad_scaler: Any = None
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        """kfac-pytorch's constructor arguments for our engine arguments ``a`` (our defaults filling the
+        rest), and what could not be matched (``{name: 'ours X, reference Y'}``).
+
+        The mapping (current API), besides the names both take alike (:data:`_REFERENCE_SAME`):
+        ``compute_method`` ``'eigen'``/``'inverse'`` as is (``'eigen_lowrank'`` has no counterpart: the
+        reference runs ``'eigen'``); ``grad_worker_fraction`` as the number it stands for (``comm_opt`` 1,
+        ``hybrid_opt`` 0.5, ``mem_opt`` 0 = 1/world, as kfac-pytorch reads 0); ``factor_dtype`` and
+        ``inv_dtype`` as ours resolves them for ``model`` (:func:`resolve_dtypes`: float32 for a float32 or
+        low-precision model), so both store factors and decompositions alike (the reference always runs
+        ``eigh``/``inv`` in float32 and casts to ``inv_dtype``; ours decomposes in ``inv_dtype``);
+        ``skip_layers`` as a list (both ``re.search`` the qualified name and the class name);
+        ``grad_scaler`` as its ``get_scale`` (kfac-pytorch recognises only ``torch.cuda.amp.GradScaler``,
+        and takes any callable returning the scale). Its own ``update_factors_in_hook=True`` (factors
+        computed in the module hooks, during forward and backward) and ``loglevel`` keep their defaults.
+        Our arguments it has no counterpart for must hold its fixed behaviour (:data:`_REFERENCE_FIXED`),
+        else they are reported: ``factor_scaling`` always is (ours defaults to ``'per_example'``, the
+        reference's ``get_cov`` is our ``'kaisa'``; a scalar per factor, the same FLOPs).
+        """
+        ours = {**engine_defaults(), **a}
+        unmatched: dict[str, str] = {}
+        for name, fixed in (_LEGACY_FIXED if self.legacy else _REFERENCE_FIXED).items():
+            if ours.get(name) != fixed:
+                unmatched[name] = f"ours {_plain(ours.get(name))!r}, reference {fixed!r}"
+        unknown = sorted(
+            set(a)
+            - set(_REFERENCE_SAME)
+            - set(_REFERENCE_FIXED)
+            - set(_REFERENCE_IRRELEVANT)
+            - {"compute_method", "grad_worker_fraction", "factor_dtype", "inv_dtype", "skip_layers"}
+        )
+        for name in unknown:
+            unmatched[name] = f"ours {_plain(a[name])!r}, reference has no such argument"
+        if self.legacy:
+            taken = {
+                "factor_update_steps",
+                "inv_update_steps",
+                "damping",
+                "lr",
+                "factor_decay",
+                "kl_clip",
+            }
+            defaults = engine_defaults()
+            for name in sorted(set(a) - taken - set(_LEGACY_FIXED) - set(_REFERENCE_IRRELEVANT)):
+                if a[name] != defaults.get(name):
+                    unmatched.setdefault(
+                        name, f"ours {_plain(a[name])!r}, kfac.KFAC takes no {name}"
+                    )
+            return {
+                "lr": ours["lr"],
+                "factor_decay": ours["factor_decay"],
+                "damping": ours["damping"],
+                "kl_clip": ours["kl_clip"],
+                "fac_update_freq": ours["factor_update_steps"],
+                "kfac_update_freq": ours["inv_update_steps"],
+            }, unmatched
+        kwargs = {name: _plain(ours[name]) for name in _REFERENCE_SAME}
+        method = _plain(ours["compute_method"])
+        if method not in ("eigen", "inverse"):
+            unmatched["compute_method"] = f"ours {method!r}, reference 'eigen'"
+            method = "eigen"
+        kwargs["compute_method"] = method
+        fraction = parse_grad_worker_fraction(ours["grad_worker_fraction"])
+        kwargs["grad_worker_fraction"] = (
+            fraction if isinstance(fraction, float) else _STRATEGY_FRACTIONS[_plain(fraction)]
+        )
+        kwargs["factor_dtype"], kwargs["inv_dtype"] = resolve_dtypes(
+            model, ours["factor_dtype"], ours["inv_dtype"]
+        )
+        kwargs["skip_layers"] = list(ours["skip_layers"])
+        if grad_scaler is not None:
+            kwargs["grad_scaler"] = grad_scaler.get_scale
+        return kwargs, unmatched
+
+    def __call__(self, model: nn.Module, a: dict[str, Any], grad_scaler: Any = None) -> Any:
+        kwargs, _ = self.arguments(model, a, grad_scaler)
+        return self.cls(model, **kwargs)
+
+
+def _out_of_place(model: nn.Module) -> int:
+    """Turn off ``inplace`` in ``model``'s modules (``nn.ReLU(inplace=True)`` and the like); how many."""
+    changed = 0
+    for m in model.modules():
+        if getattr(m, "inplace", False) is True:
+            m.inplace = False  # type: ignore[assignment]
+            changed += 1
+    return changed
+
+
+def reference_factory(path: str) -> Reference:
+    """kfac-pytorch imported from its source tree at ``path`` (the directory holding its ``kfac``
+    package): the current API (``kfac.preconditioner.KFACPreconditioner``) or the SC20-era one
+    (``kfac.KFAC``). A ``kfac`` imported before (an installed kfac-pytorch) is set aside for it.
 
     Raises:
         SystemExit: one line, when no ``kfac`` package with either class is importable from ``path``.
     """
+    for name in [m for m in sys.modules if m == "kfac" or m.startswith("kfac.")]:
+        del sys.modules[name]
     sys.path.insert(0, path)
     try:
         ref = importlib.import_module("kfac")
         with contextlib.suppress(ImportError):
             importlib.import_module("kfac.preconditioner")
+    except importlib.metadata.PackageNotFoundError:
+        raise SystemExit(
+            f"--reference {path}: its kfac package reads the version of an installed kfac-pytorch; "
+            f"install that tree without dependencies (pip install --no-deps -e {path})"
+        ) from None
     except ImportError as err:
         raise SystemExit(
             f"--reference {path}: cannot import kfac-pytorch from there ({err}); give its source root"
         ) from None
     current = getattr(getattr(ref, "preconditioner", None), "KFACPreconditioner", None)
     if current is not None:
-
-        def build(model: nn.Module, a: dict[str, Any]) -> Any:
-            return current(
-                model,
-                factor_update_steps=a["factor_update_steps"],
-                inv_update_steps=a["inv_update_steps"],
-                damping=a["damping"],
-                factor_decay=0.95,
-                kl_clip=0.001,
-                lr=a["lr"],
-                skip_layers=list(a["skip_layers"]),
-            )
-
-        return build
+        return Reference(path, current)
     legacy = getattr(ref, "KFAC", None)
     if legacy is None:
         raise SystemExit(
             f"--reference {path}: its kfac package has neither preconditioner.KFACPreconditioner nor KFAC"
         )
-
-    def build_legacy(model: nn.Module, a: dict[str, Any]) -> Any:
-        return legacy(
-            model,
-            lr=a["lr"],
-            factor_decay=0.95,
-            damping=a["damping"],
-            kl_clip=0.001,
-            fac_update_freq=a["factor_update_steps"],
-            kfac_update_freq=a["inv_update_steps"],
-        )
-
-    return build_legacy
+    return Reference(path, legacy, legacy=True)
 
 
 def eigh_check(p: KFACPreconditioner, decomposition_s: float, repeats: int = 3) -> dict[str, float]:
@@ -608,7 +791,29 @@ def table(rows: list[dict[str, Any]]) -> str:
             lines.append(
                 f"  reference (kfac-pytorch): {ref['step_s'] * 1e3:.1f} ms, {ref['ratio']:.2f}x SGD; "
                 f"{names[0]}/reference {ref['ours_over_reference']:.2f}"
+                + (f"; {ref['layers']} layers" if ref.get("layers") else "")
             )
+            ph = r.get("phases_s_per_step", {})
+            if {"sgd", "reference", names[0]} <= set(ph):
+                lines.append(
+                    "  ms per step       fwd+bwd  step()  update   (the reference computes its factors "
+                    "in hooks: in fwd+bwd)"
+                )
+                for arm, label in (
+                    ("sgd", "SGD"),
+                    (names[0], _label(names[0])),
+                    ("reference", "ref."),
+                ):
+                    lines.append(
+                        f"    {label:<14} " + " ".join(f"{ph[arm][k] * 1e3:>7.1f}" for k in PHASES)
+                    )
+            if ref.get("in_place_off"):
+                lines.append(
+                    f"  every arm ran with {ref['in_place_off']} in-place activations off (kfac-pytorch's "
+                    "full backward hooks forbid them)"
+                )
+            for name, why in (ref.get("unmatched") or {}).items():
+                lines.append(f"  not matched in the reference arm: {name} ({why})")
         blocks.append("\n".join(lines))
     blocks.append(
         "floors: factor GEMM FLOPs and preconditioning GEMM FLOPs at the GEMM rate, bare eigh of the same "
