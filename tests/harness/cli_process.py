@@ -28,8 +28,9 @@ from pathlib import Path
 __all__ = ["ENV_SWITCH", "run_cli_process"]
 
 ENV_SWITCH = "KFAC_BENCH_TEST_FORK_CLI"
-#: What every CLI run imports: loaded once by the fork server. Nothing that reads environment variables
-#: the runs set themselves at import time (transformers / huggingface_hub read ``HF_HUB_OFFLINE``).
+#: What every CLI run imports: loaded once by the fork server. transformers and huggingface_hub read
+#: their environment (``HF_HUB_OFFLINE``, ``HF_HOME``, ...) when imported: the server imports them under
+#: :func:`_hub_environment` of its own, and a run whose environment differs there is a real subprocess.
 _PRELOAD = [
     "torch",
     "torch.distributed",
@@ -43,18 +44,38 @@ _PRELOAD = [
     "kfac_bench.config.compose",
     "kfac_bench.kfac.checkpoint",
     "kfac_bench.train.run",
+    # The BERT recipes' model and shards (transformers, h5py: 2.3 s of a run), Mask R-CNN's torchvision
+    # detection models (0.4 s).
+    "kfac_bench.models.bert",
+    "kfac_bench.data.bert",
+    "torchvision.models.detection",
 ]
+#: Environment variables read at import by the preloaded libraries (transformers, huggingface_hub).
+_HUB_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_")
 
 _context: mp.context.ForkServerContext | None = None
+#: :func:`_hub_environment` of this process when it started the server (the server's own).
+_server_hub: dict[str, str] | None = None
 
 
-def _forkserver() -> mp.context.ForkServerContext:
-    global _context
-    if _context is None:
+def _hub_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """What the preloaded hub libraries see of ``env`` when imported: its ``HF_*`` (and the like) variables,
+    with ``HF_HUB_OFFLINE=1`` unless set, as ``kfac_bench.models.bert`` sets it before importing
+    transformers."""
+    seen = {k: v for k, v in env.items() if k.startswith(_HUB_PREFIXES)}
+    seen.setdefault("HF_HUB_OFFLINE", "1")
+    return seen
+
+
+def _forkserver() -> tuple[mp.context.ForkServerContext, dict[str, str]]:
+    """The fork server's context (started on its first use, from this process's environment) and the
+    hub environment it imported the preloaded modules under."""
+    global _context, _server_hub
+    if _context is None or _server_hub is None:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(_PRELOAD)
-        _context = ctx
-    return _context
+        _context, _server_hub = ctx, _hub_environment(os.environ)
+    return _context, _server_hub
 
 
 def _exit_status(code: object) -> int:
@@ -114,7 +135,12 @@ def run_cli_process(
         subprocess.TimeoutExpired: the run did not end within ``timeout`` seconds (it is killed).
     """
     cmd = [sys.executable, "-m", "kfac_bench.cli", *args]
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    forked = os.environ.get(ENV_SWITCH, "1") != "0"
+    if forked:
+        server, hub = _forkserver()
+        # A run that would import the hub libraries under other settings than the server did is not forked.
+        forked = _hub_environment(env) == hub
+    if not forked:
         return subprocess.run(
             cmd, cwd=cwd, env=dict(env), capture_output=True, text=True, timeout=timeout
         )
@@ -122,7 +148,7 @@ def run_cli_process(
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
         out.touch()
         err.touch()
-        proc = _forkserver().Process(
+        proc = server.Process(
             target=_child, args=(list(args), str(cwd), dict(env), str(out), str(err))
         )
         proc.start()
