@@ -16,19 +16,9 @@ from kfac_bench.cli import main
 from kfac_bench.errors import ConfigError
 from kfac_bench.train.agent import _preflight
 from tests.harness.fault_util import sbatch, slurm_env, summary
-from tests.harness.util import TINY
+from tests.harness.util import TINY, user_config_dir
 from tests.limits import hang_limit
 
-MINE = """\
-# @package _global_
-defaults:
-  - digits_smoke
-  - _self_
-
-name: mine
-model:
-  hidden: 16
-"""
 FORMS = ["--config-dir", "--config-dir=", "-cd"]
 #: TINY without its recipe: the user's recipe extends it.
 SETTINGS = [a for a in TINY if not a.startswith("+recipe=")]
@@ -36,10 +26,7 @@ SETTINGS = [a for a in TINY if not a.startswith("+recipe=")]
 
 @pytest.fixture
 def user_dir(tmp_path: Path) -> Path:
-    d = tmp_path / "my configs"
-    (d / "recipe").mkdir(parents=True)
-    (d / "recipe" / "mine.yaml").write_text(MINE)
-    return d
+    return user_config_dir(tmp_path)
 
 
 def _flag(form: str, directory: str) -> list[str]:

@@ -17,28 +17,15 @@ from kfac_bench.cli import main
 from kfac_bench.commands.train import config_dirs_of
 from kfac_bench.config import recipes_dir
 from tests.harness.fault_util import env, one_error_line, run
-from tests.harness.util import TINY
+from tests.harness.util import TINY, user_config_dir
 from tests.limits import hang_limit
 
-MINE = """\
-# @package _global_
-# A user's recipe: the digits smoke run under another name, with fewer hidden units.
-defaults:
-  - digits_smoke
-  - _self_
-
-name: mine
-model:
-  hidden: 16
-"""
 BROKEN = "# @package _global_\nname: [oops\nmodel: {hidden: 16}\n"
 
 
 @pytest.fixture
 def user_dir(tmp_path: Path) -> Path:
-    d = tmp_path / "my configs"
-    (d / "recipe").mkdir(parents=True)
-    (d / "recipe" / "mine.yaml").write_text(MINE)
+    d = user_config_dir(tmp_path)
     (d / "recipe" / "broken.yaml").write_text(BROKEN)
     return d
 

@@ -25,6 +25,27 @@ TINY = [
 
 REPO = Path(__file__).resolve().parents[2]
 
+#: A user's recipe: the digits smoke run under another name, with fewer hidden units.
+USER_RECIPE = """\
+# @package _global_
+defaults:
+  - digits_smoke
+  - _self_
+
+name: mine
+model:
+  hidden: 16
+"""
+
+
+def user_config_dir(root: Path) -> Path:
+    """A user's config directory (a space in its name) under ``root``, holding ``recipe/mine.yaml``
+    (:data:`USER_RECIPE`)."""
+    d = root / "my configs"
+    (d / "recipe").mkdir(parents=True)
+    (d / "recipe" / "mine.yaml").write_text(USER_RECIPE)
+    return d
+
 
 def tiny_cfg(*overrides: str) -> DictConfig:
     return compose_run([*TINY, *overrides])
