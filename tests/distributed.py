@@ -3,7 +3,8 @@
 Forking (rather than torchrun) starts ranks in seconds. Every rank sets one intra-op thread: on a 2-core
 machine several 2-thread processes run several times slower than 1-thread ones. ``backend="nccl"`` (GPU
 tests) spawns instead of forking, since CUDA cannot be used in a child forked after the parent used it,
-and puts rank r on CUDA device r; ``start_method="spawn"`` also suits a test whose ranks walk their own heap.
+and puts rank r on CUDA device r. A rank that walks its heap freezes what it inherited first (``gc.freeze()``:
+``gc.get_objects()`` then skips the forked pytest worker's objects) rather than paying a spawned interpreter.
 """
 
 from __future__ import annotations

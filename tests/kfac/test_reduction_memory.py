@@ -10,6 +10,7 @@ the same run without it.
 from __future__ import annotations
 
 import gc
+import time
 import warnings
 import weakref
 from typing import Any
@@ -46,6 +47,22 @@ def make_model() -> nn.Module:
 
 
 def live_tensor_bytes() -> int:
+    """Bytes of the storages of every live tensor, once gloo has let go of finished collectives' tensors.
+
+    A collective returns when its result is in, but the gloo worker thread that ran it holds its tensors
+    until it frees the work a moment later: a heap walk in that moment counts them (the last gradient
+    all-reduced, a bucket ``step()`` already dropped). The walk is repeated, with a pause for that thread,
+    until two agree; what K-FAC itself keeps alive does not change between them."""
+    now = _walk()
+    for _ in range(100):
+        time.sleep(0.01)
+        now, before = _walk(), now
+        if now == before:
+            break
+    return now
+
+
+def _walk() -> int:
     """Bytes of the storages of every tensor a Python object refers to (each storage once)."""
     gc.collect()
     storages: dict[int, int] = {}
@@ -111,7 +128,11 @@ def run_arm(
 
 def accounting_worker(rank: int, world: int, options: dict[str, Any]) -> list[dict[str, Any]]:
     """The K-FAC arm's extra live bytes over the same loop without K-FAC, at every moment, next to its
-    ``memory_usage()``."""
+    ``memory_usage()``. The heap this forked rank inherited (every module and object of the pytest worker
+    it was forked from) is frozen first: ``gc.get_objects()`` skips frozen objects, so each heap walk sees
+    only what this rank created, and costs as much as that."""
+    gc.collect()
+    gc.freeze()
     sgd, _ = run_arm(rank, options, kfac=False)
     kfac, usage = run_arm(rank, options, kfac=True)
     return [
@@ -134,9 +155,7 @@ def accounting_worker(rank: int, world: int, options: dict[str, Any]) -> list[di
 )
 def test_memory_usage_counts_exactly_the_tensors_kfac_keeps_alive(options: dict[str, Any]) -> None:
     micro = options.get("accumulation_steps", 1)
-    # Spawned ranks: every moment walks the whole heap, and a rank forked from a pytest worker carries the
-    # heap of every test module that worker ran (transformers, Hydra...): 10x the objects, 50-200 s a test.
-    for rank_moments in run_distributed(accounting_worker, 2, options, start_method="spawn"):
+    for rank_moments in run_distributed(accounting_worker, 2, options):
         # After every forward, gradient hook (4 layers) and backward pass, and after every step().
         assert len(rank_moments) == STEPS * (micro * (1 + 4 + 1) + 1)
         for i, m in enumerate(rank_moments):
