@@ -92,16 +92,18 @@ def test_torchrun_launcher_forwards_the_signal_and_exits_75_without_restarting(
 
 
 @pytest.mark.distributed
-def test_a_rank_killed_under_torchrun_restarts_from_the_checkpoint_and_repeats_no_record(
-    tmp_path: Path,
+@pytest.mark.parametrize("death", ["kill", "exit"])
+def test_a_failed_rank_under_torchrun_restarts_from_the_checkpoint_and_repeats_no_record(
+    tmp_path: Path, death: str
 ) -> None:
-    # Rank 1 is SIGKILLed in step 10; rank 0 has written the evaluation of step 9 but the newest
-    # checkpoint is step 6: the restarted ranks resume at 6 and must not record step 9 twice.
+    # Rank 1 dies in step 10 (SIGKILLed, or exits with status 1); rank 0 has written the evaluation of
+    # step 9 but the newest checkpoint is step 6: the restarted ranks resume at 6 and must not record
+    # step 9 twice.
     run_dir = tmp_path / "run"
     result = run(
         "train",
         *TINY,
-        *fault(tmp_path / "fault", at=10, action="kill", rank=1),
+        *fault(tmp_path / "fault", at=10, action=death, rank=1),
         "kfac=none",
         "train.eval_every_steps=3",
         "launcher=torchrun",
@@ -113,9 +115,16 @@ def test_a_rank_killed_under_torchrun_restarts_from_the_checkpoint_and_repeats_n
         timeout=240,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "fault").read_text() == death  # it died once
     assert "resumed at step 6" in result.stdout
     assert eval_steps(run_dir) == [3, 6, 9, 12]
-    assert summary(run_dir)["steps"] == 12 and not (run_dir / PREEMPTED_FILE).exists()
+    s = summary(run_dir)
+    assert (
+        s["steps"] == 12
+        and s["world_size"] == 2
+        and s["status"] in ("success", "target_not_reached")
+    )
+    assert not (run_dir / PREEMPTED_FILE).exists()
     assert not processes_mentioning(str(run_dir))
 
 
