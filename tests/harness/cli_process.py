@@ -44,10 +44,11 @@ _PRELOAD = [
     "kfac_bench.config.compose",
     "kfac_bench.kfac.checkpoint",
     "kfac_bench.train.run",
-    # The BERT recipes' model and shards (transformers, h5py: 2.3 s of a run), Mask R-CNN's torchvision
-    # detection models (0.4 s).
+    # The BERT recipes' model, shards and LAMB (transformers, h5py, timm: 2.8 s of a run), Mask R-CNN's
+    # torchvision detection models (0.4 s).
     "kfac_bench.models.bert",
     "kfac_bench.data.bert",
+    "timm.optim",
     "torchvision.models.detection",
 ]
 #: Environment variables read at import by the preloaded libraries (transformers, huggingface_hub).
