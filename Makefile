@@ -6,12 +6,23 @@ STAMP  := $(VENV)/.installed
 PIP_INSTALL := $(BIN)/pip install --disable-pip-version-check -q -c constraints.txt
 # uv installs the same constraints 3x faster than pip (45 s against 2 min from a cold cache: parallel
 # downloads and unpacking of torch's CUDA wheels); pip does it where uv cannot be installed.
-UV_INSTALL  := $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode -c constraints.txt
+UV_INSTALL  := $(BIN)/uv pip install -q --python $(BIN)/python -c constraints.txt
+# Bytecode. Where PYTHONDONTWRITEBYTECODE is set (CI images, containers), every process compiles what it
+# imports, again: a rank would compile torch. Compiling all ~19,000 files of the venv (pip's default, uv's
+# --compile-bytecode) was 43 of a 54 s install; make setup compiles the packages that a run's and the
+# suite's processes import (COMPILED, whole: they import lazily; a file that does not compile, such as
+# torch's Python 3.12 test helpers, is skipped as pip skips it) and, by importing them once, the parts of
+# transformers and sympy they use (WARM). A package missing here only costs its importers a compile.
+COMPILED := torch torchvision hydra hydra_plugins omegaconf antlr4 yaml numpy timm mlperf_logging PIL \
+	tensorboard pycocotools matplotlib mpl_toolkits pyparsing dateutil cycler kiwisolver submitit \
+	cloudpickle h5py _pytest pytest pluggy xdist execnet pytest_timeout iniconfig
+WARM := torch._dynamo kfac_bench.cli kfac_bench.train.run kfac_bench.models.bert kfac_bench.models.bert_qa
 # pytest-xdist workers (0: one process). Whole test files go to one worker (--dist loadfile), so a module's
 # fixtures (the BERT and SQuAD smoke chains) are built once; most tests wait on subprocesses or sleep.
 # Files go out in collection order, longest first (tests/conftest.py), not xdist's most-tests-first.
 PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+MYPY   := $(BIN)/mypy kfac_bench/kfac
 
 .DEFAULT_GOAL := help
 .PHONY: help setup train test test-fast test-slow lint format bench gpu-check clean
@@ -22,6 +33,9 @@ help:  ## list the targets
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	{ $(PIP_INSTALL) uv && $(UV_INSTALL) -e ".[dev]"; } || $(PIP_INSTALL) -e ".[dev]"
+	$(BIN)/python -c 'import compileall as c, pathlib as p, sysconfig as s; site = p.Path(s.get_path("purelib")); \
+	  [c.compile_dir(d, quiet=2, workers=0) for d in [p.Path("kfac_bench"), *(site / n for n in "$(COMPILED)".split())]]'
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -c 'import importlib; [importlib.import_module(m) for m in "$(WARM)".split()]'
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv and install kfac-bench (editable) with its dev extra
@@ -32,7 +46,7 @@ train: $(STAMP)  ## run the main job: digits CNN, SGD vs SGD + K-FAC x 3 seeds, 
 lint: $(STAMP)  ## ruff (lint + format check) and mypy on the library
 	$(BIN)/ruff check kfac_bench tests benchmarks
 	$(BIN)/ruff format --check kfac_bench tests benchmarks
-	$(BIN)/mypy kfac_bench/kfac
+	$(MYPY)
 
 test-fast: $(STAMP)  ## the fast suite only (no lint, no smoke recipes)
 	$(PYTEST)
@@ -40,8 +54,15 @@ test-fast: $(STAMP)  ## the fast suite only (no lint, no smoke recipes)
 test-slow: $(STAMP)  ## the recipe smoke runs (pytest -m slow)
 	$(PYTEST) -m slow
 
-test: lint $(STAMP)  ## lint, then the whole suite: fast tests and recipe smoke runs (PYTEST_WORKERS=2)
-	$(PYTEST) -m "not gpu" --durations=15
+test: $(STAMP)  ## lint and the whole suite: fast tests and recipe smoke runs (PYTEST_WORKERS=2)
+	$(BIN)/ruff check kfac_bench tests benchmarks
+	$(BIN)/ruff format --check kfac_bench tests benchmarks
+	@# mypy (25 s of one core without its cache, as in a clean clone) checks beside the suite, not before it;
+	@# its report follows the suite's, and either failing fails the target.
+	$(MYPY) > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
+	$(PYTEST) -m "not gpu" --durations=15; tests=$$?; \
+	wait $$mypy; typed=$$?; echo "$(MYPY):"; cat $(VENV)/mypy.log; \
+	exit $$(( tests != 0 || typed != 0 ))
 
 bench: $(STAMP)  ## K-FAC overhead benchmark (CPU): step-time ratios K-FAC/SGD with stage breakdown
 	$(BIN)/python -m benchmarks.overhead
