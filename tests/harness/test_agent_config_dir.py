@@ -1,7 +1,7 @@
 """A user's ``--config-dir`` on the SLURM / multinode path, in each of Hydra's forms (``--config-dir DIR``,
 ``--config-dir=DIR``, ``-cd DIR``): ``launch/slurm.sbatch`` hands it to the agent unchanged, the agent's
-checks before any rank starts compose the user's recipe with it, and the ranks (whose command line has
-``hydra.run.dir=`` before the flag) train it."""
+checks before any rank starts compose the user's recipe with it, and the ranks of a two-rank job (whose
+command line has ``hydra.run.dir=`` before the flag) train it; the finished job is not requeued."""
 
 from __future__ import annotations
 
@@ -102,11 +102,10 @@ def test_the_sbatch_script_hands_the_flag_to_the_agent_unchanged(
 
 
 @pytest.mark.distributed
-def test_a_slurm_job_trains_the_users_recipe_with_config_dir_space_form(
+def test_a_two_rank_slurm_job_trains_the_users_recipe_with_config_dir_space_form(
     user_dir: Path, tmp_path: Path
 ) -> None:
-    e = slurm_env(tmp_path)
-    e["GPUS_PER_NODE"] = "1"
+    e = slurm_env(tmp_path)  # one node with GPUS_PER_NODE=2: the agent starts two CPU ranks
     job = sbatch(
         tmp_path,
         e,
@@ -124,4 +123,6 @@ def test_a_slurm_job_trains_the_users_recipe_with_config_dir_space_form(
         raise
     assert job.returncode == 0, err[-3000:]
     s = summary(tmp_path / "runs" / "slurm-4242")
-    assert s["name"] == "mine" and s["world_size"] == 1
+    assert s["name"] == "mine" and s["world_size"] == 2 and s["steps"] == 6
+    assert not s["kfac_enabled"] and s["status"] in ("success", "target_not_reached")
+    assert not (tmp_path / "scontrol.log").exists()  # a finished job is not requeued

@@ -50,6 +50,8 @@ def _outcome(cwd: Path) -> dict[str, Any]:
     s = summary(cwd / "run")
     log = events(cwd / "run" / "mlperf.log")
     return {
+        "world_size": s["world_size"],
+        "kfac_enabled": s["kfac_enabled"],
         "status": s["status"],
         "steps": s["steps"],
         "samples": s["samples"],
@@ -69,6 +71,17 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     done = run("train", *RUN, "+model.at=1000000", *_ranks(2), cwd=cwd, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     return _outcome(cwd)
+
+
+def test_the_uninterrupted_run_is_two_kfac_ranks_of_launcher_torchrun(
+    uninterrupted: dict[str, Any],
+) -> None:
+    # 3 steps an epoch, 2 epochs; each step 2 micro-batches of 32 on each of the 2 ranks (DDP's no_sync on
+    # the first), evaluated at the end of each epoch.
+    assert uninterrupted["world_size"] == 2 and uninterrupted["kfac_enabled"]
+    assert uninterrupted["steps"] == 6 and uninterrupted["samples"] == 6 * 2 * 32 * 2
+    assert uninterrupted["status"] in ("success", "target_not_reached")
+    assert [e[0] for e in uninterrupted["evals"]] == [3, 6]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,6 @@
-"""launcher=torchrun and the launch/ scripts: shell checks, and real 2-process CPU jobs (gloo)."""
+"""The launch/ scripts: shell checks, and real 2-process CPU jobs (gloo). The SLURM script's plain two-rank
+job is tests/harness/test_agent_config_dir.py's (with a user's --config-dir); launcher=torchrun's plain
+two-rank K-FAC job, tests/harness/test_faults_elastic.py's uninterrupted run."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness.util import REPO, TINY, cli_env, run_cli
+from tests.harness.util import REPO, TINY, cli_env
 from tests.limits import hang_limit
 
 SCRIPTS = sorted((REPO / "launch").glob("*.s*"))
@@ -42,26 +44,6 @@ def test_shellcheck(script: Path) -> None:
 
 def _summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
-
-
-@pytest.mark.distributed
-def test_torchrun_launcher_two_processes(tmp_path: Path) -> None:
-    result = run_cli(
-        "train",
-        *TINY,
-        "launcher=torchrun",
-        "launcher.nproc_per_node=2",
-        "train.accumulation_steps=2",
-        "hydra.run.dir=run",
-        cwd=tmp_path,
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    s = _summary(tmp_path / "run")
-    # 6 micro-batches of 32 per rank and epoch, 2 per optimizer step (DDP no_sync on the first).
-    assert s["world_size"] == 2 and s["steps"] == 6 and s["samples"] == 6 * 2 * 32 * 2
-    assert s["kfac_enabled"] and s["status"] in ("success", "target_not_reached")
-    assert len((tmp_path / "run" / "eval.jsonl").read_text().splitlines()) == 2
 
 
 def _shim(path: Path, body: str) -> None:
@@ -92,23 +74,6 @@ def _slurm_env(tmp_path: Path) -> dict[str, str]:
         SCONTROL_LOG=str(tmp_path / "scontrol.log"),
     )
     return env
-
-
-@pytest.mark.distributed
-def test_slurm_script_starts_a_two_process_job(tmp_path: Path) -> None:
-    env = _slurm_env(tmp_path)
-    result = subprocess.run(
-        ["bash", str(REPO / "launch" / "slurm.sbatch"), *TINY, "kfac=none"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=hang_limit(180),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    s = _summary(tmp_path / "runs" / "slurm-4242")
-    assert s["world_size"] == 2 and s["steps"] == 12 and not s["kfac_enabled"]
-    assert not (tmp_path / "scontrol.log").exists()  # a finished job is not requeued
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """A run directory reaches the ranks as exactly the path the user named: ``launcher=torchrun`` and the launch
-scripts quote ``hydra.run.dir`` for Hydra's override grammar (spaces, non-ASCII, ``,``, ``=``, quotes)."""
+scripts quote ``hydra.run.dir`` for Hydra's override grammar (spaces, non-ASCII, ``,``, ``=``, quotes); the
+ranks of one such job also compose the recipe of the user's ``--config-dir``."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from omegaconf import OmegaConf
 from kfac_bench.train.agent import run_dir_of
 from kfac_bench.train.launch import hydra_quote, run_dir_override
 from tests.harness.fault_util import env, one_error_line, run, shim
-from tests.harness.util import REPO, TINY
+from tests.harness.util import REPO, TINY, user_config_dir
 from tests.limits import hang_limit
 
 HOSTILE = [
@@ -115,13 +116,19 @@ def test_the_launch_scripts_quote_the_run_dir(tmp_path: Path, script: str) -> No
 
 
 @pytest.mark.distributed
-def test_torchrun_ranks_train_in_a_run_dir_with_spaces_non_ascii_commas_and_equals(
+def test_torchrun_ranks_train_the_users_recipe_in_a_run_dir_with_spaces_non_ascii_commas_and_equals(
     tmp_path: Path,
 ) -> None:
+    # What the user named reaches every rank as named: a run directory Hydra's grammar needs quoted for,
+    # and a recipe of the user's --config-dir (a space in its path; tests/harness/test_user_config_dir.py
+    # checks the CLI's side of it).
     name = "x ünï,a=b"
     result = run(
         "train",
-        *TINY,
+        "-cd",
+        str(user_config_dir(tmp_path)),
+        *[a for a in TINY if not a.startswith("+recipe=")],
+        "+recipe=mine",
         "kfac=none",
         "train.epochs=1",
         "launcher=torchrun",
@@ -133,4 +140,5 @@ def test_torchrun_ranks_train_in_a_run_dir_with_spaces_non_ascii_commas_and_equa
     assert result.returncode == 0, result.stderr[-3000:]
     assert [p.name for p in (tmp_path / "runs").iterdir()] == [name]
     summary = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == 6
+    assert summary["world_size"] == 2 and summary["steps"] == 6 and summary["name"] == "mine"
+    assert summary["config"]["model"]["hidden"] == 16  # the user's recipe, not digits_smoke

@@ -1,6 +1,7 @@
 """A user's own configs through Hydra's ``--config-dir`` (``DIR/recipe/NAME.yaml`` for ``+recipe=NAME``) pass
-the CLI's checks and reach the ranks of ``launcher=torchrun``; a config file that is not valid YAML (the
-user's, or one in ``recipes/``) is one line naming the file and line, exit 2, and leaves the rest working."""
+the CLI's checks (the ranks of ``launcher=torchrun`` training one: tests/harness/test_run_dir_quoting.py);
+a config file that is not valid YAML (the user's, or one in ``recipes/``) is one line naming the file and
+line, exit 2, and leaves the rest working."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import yaml
 from kfac_bench.cli import main
 from kfac_bench.commands.train import config_dirs_of
 from kfac_bench.config import recipes_dir
-from tests.harness.fault_util import env, one_error_line, run
-from tests.harness.util import TINY, user_config_dir
+from tests.harness.fault_util import env, one_error_line
+from tests.harness.util import user_config_dir
 from tests.limits import hang_limit
 
 BROKEN = "# @package _global_\nname: [oops\nmodel: {hidden: 16}\n"
@@ -110,24 +111,3 @@ def test_an_invalid_bundled_recipe_is_one_line_and_the_others_still_work(tmp_pat
     assert f"recipe {recipes / 'zz_broken.yaml'}, line 3, column 6 is not valid YAML" in line
     status, err = got["train +recipe=zz_headless"]
     assert status == 2 and "must start with '# @package _global_'" in one_error_line(err)
-
-
-@pytest.mark.distributed
-def test_torchrun_ranks_compose_the_users_recipe(user_dir: Path, tmp_path: Path) -> None:
-    result = run(
-        "train",
-        "-cd",
-        str(user_dir),
-        *[a for a in TINY if not a.startswith("+recipe=")],
-        "+recipe=mine",
-        "kfac=none",
-        "train.epochs=1",
-        "launcher=torchrun",
-        "launcher.nproc_per_node=2",
-        "hydra.run.dir=run",
-        cwd=tmp_path,
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["name"] == "mine" and summary["world_size"] == 2
