@@ -34,6 +34,7 @@ from kfac_bench.train.warm_start import locate
 from tests.harness.util import run_cli
 from tests.metrics.mlperf_checker import check as mlperf_check
 from tests.metrics.mlperf_checker import events
+from tests.recipes.bert_smoke import CLI_QUIET, train_smoke
 
 # TPDS §6.3.3: (sequence length, predictions per sequence, steps, global batch, LR, warm-up).
 PHASES = {
@@ -130,40 +131,24 @@ def test_kfac_arm_preconditions_exactly_the_encoder_linears() -> None:
 # ----------------------------------------------------------------------------------------------------------
 # Smoke twins through the real CLI on pydoc shards
 
-CLI_QUIET = ["train.tensorboard=false", "train.progress=lines"]
-
 
 @pytest.fixture(scope="module")
-def smoke_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Phase-1 smoke runs of both arms (sharing one prepared shard directory), then a phase-2 K-FAC smoke
-    run from the LAMB phase-1 checkpoint (the paper's Table 4(a) pairing)."""
+def smoke_runs(
+    bert_phase1: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """Phase-1 smoke runs of both arms (sharing one prepared shard directory; tests/recipes/conftest.py),
+    then a phase-2 K-FAC smoke run from the LAMB phase-1 checkpoint (the paper's Table 4(a) pairing)."""
     root = tmp_path_factory.mktemp("bert_smoke")
-    runs: dict[str, Path] = {}
-    for name, arm in (("lamb", False), ("kfac", True)):
-        result = run_cli(
-            "train",
-            f"+recipe={_recipe(1, arm, smoke=True)}",
-            f"dataset.root={root / 'shards128'}",
-            *CLI_QUIET,
-            f"hydra.run.dir={root / name}",
-            cwd=root,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs[name] = root / name
-    result = run_cli(
-        "train",
-        f"+recipe={_recipe(2, True, smoke=True)}",
+    runs = dict(bert_phase1)
+    runs["phase2"] = train_smoke(
+        root,
+        "phase2",
+        _recipe(2, True, smoke=True),
         f"dataset.root={root / 'shards512'}",
         f"model.init_checkpoint={runs['lamb'] / 'checkpoints' / 'last.pt'}",
         "train.seed=1",
-        *CLI_QUIET,
-        f"hydra.run.dir={root / 'phase2'}",
-        cwd=root,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    runs["phase2"] = root / "phase2"
-    (root / "phase2" / "stdout.txt").write_text(result.stdout)
-    runs["shards128"], runs["shards512"] = root / "shards128", root / "shards512"
+    runs["shards512"] = root / "shards512"
     return runs
 
 

@@ -28,8 +28,9 @@ from kfac_bench.models.bert_qa import build_bert_qa
 from kfac_bench.train.build import instantiate
 from kfac_bench.train.optim import lr_factor
 from tests.harness.util import run_cli
+from tests.recipes.bert_smoke import PHASE1
+from tests.recipes.bert_smoke import train_smoke as _train
 
-CLI_QUIET = ["train.tensorboard=false", "train.progress=lines"]
 ENCODER_WEIGHT = re.compile(
     r"bert\.encoder\.layer\.\d+\..*dense\.weight$|self\.(query|key|value)\.weight$"
 )
@@ -109,20 +110,6 @@ def test_smoke_twin_is_the_tiny_model_on_the_pydoc_set() -> None:
 # The smoke run, and the smoke chain, through the CLI
 
 
-def _train(root: Path, name: str, recipe: str, *overrides: str) -> Path:
-    result = run_cli(
-        "train",
-        f"+recipe={recipe}",
-        *overrides,
-        *CLI_QUIET,
-        f"hydra.run.dir={root / name}",
-        cwd=root,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return root / name
-
-
 def _last(run: Path) -> str:
     return str(run / "checkpoints" / "last.pt")
 
@@ -181,13 +168,16 @@ ARMS = {
 
 
 @pytest.fixture(scope="module")
-def chains(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
-    """Both arms at smoke size: phase 1 -> phase 2 (from phase 1) -> SQuAD (from phase 2), sharing the
-    prepared shards and the SQuAD smoke set."""
+def chains(
+    bert_phase1: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, Path]]:
+    """Both arms at smoke size: phase 1 (tests/recipes/bert_smoke.py) -> phase 2 (from phase 1) -> SQuAD
+    (from phase 2), sharing the prepared shards and the SQuAD smoke set."""
     root = tmp_path_factory.mktemp("bert_chain")
     runs: dict[str, dict[str, Path]] = {}
     for arm, (phase1, phase2) in ARMS.items():
-        p1 = _train(root, f"{arm}-p1", phase1, f"dataset.root={root / 'shards128'}")
+        assert PHASE1[arm] == phase1
+        p1 = bert_phase1[arm]
         p2 = _train(
             root,
             f"{arm}-p2",
