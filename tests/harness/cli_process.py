@@ -16,6 +16,7 @@ Tests that signal the CLI or read its output while it runs start it with :mod:`s
 from __future__ import annotations
 
 import atexit
+import gc
 import multiprocessing as mp
 import os
 import subprocess
@@ -91,6 +92,10 @@ def _exit_status(code: object) -> int:
 
 def _child(args: Sequence[str], cwd: str, env: Mapping[str, str], out: str, err: str) -> None:
     """The forked run: a fresh ``python -m kfac_bench.cli ARGS`` from here on."""
+    # The heap inherited from the server (torch, transformers, ...: millions of objects) goes to the
+    # collector's permanent generation: the run's full collections skip it instead of walking it and
+    # writing to (so copying) its pages, which made a run slower the more the server preloads.
+    gc.freeze()
     os.environ.clear()
     os.environ.update(env)
     for entry in reversed([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]):
