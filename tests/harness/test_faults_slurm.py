@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kfac_bench.train.checkpoint import CHECKPOINT_DIR, CheckpointManager
 from kfac_bench.train.rundir import PREEMPTED_FILE
 from tests.harness.fault_util import (
     eval_steps,
@@ -87,6 +88,8 @@ def test_preemption_requeues_once_even_with_torchrun_restarts(tmp_path: Path) ->
     assert out.count("kfac-bench: run dir") == 1  # preempted ranks were not restarted
     s = summary(run_dir)
     assert s["status"] == "preempted" and (run_dir / PREEMPTED_FILE).is_file()
+    saved = CheckpointManager(run_dir / CHECKPOINT_DIR, {}).read()  # the step it stopped at, saved
+    assert saved is not None and saved["train_state"]["step"] == saved["step"] == s["steps"] > 0
     assert eval_steps(run_dir) == sorted(set(eval_steps(run_dir)))
     assert not processes_mentioning(str(run_dir))
 
