@@ -16,12 +16,10 @@ from kfac_bench.cli import main
 from kfac_bench.errors import ConfigError
 from kfac_bench.train.agent import _preflight
 from tests.harness.fault_util import sbatch, slurm_env, summary
-from tests.harness.util import TINY, user_config_dir
+from tests.harness.util import TINY_SETTINGS, user_config_dir
 from tests.limits import hang_limit
 
 FORMS = ["--config-dir", "--config-dir=", "-cd"]
-#: TINY without its recipe: the user's recipe extends it.
-SETTINGS = [a for a in TINY if not a.startswith("+recipe=")]
 
 
 @pytest.fixture
@@ -56,7 +54,7 @@ def test_the_agent_checks_compose_the_users_recipe(
 ) -> None:
     monkeypatch.chdir(user_dir.parent)  # a relative DIR, as typed on the submit node
     run_dir = tmp_path / "run"
-    args = _agent_args([*_flag(form, user_dir.name), *SETTINGS, "+recipe=mine"], run_dir)
+    args = _agent_args([*_flag(form, user_dir.name), *TINY_SETTINGS, "+recipe=mine"], run_dir)
     cfg = _preflight(args, run_dir)
     assert cfg.name == "mine" and cfg.model.hidden == 16
     assert cfg.model.channels == 8  # from digits_smoke, the bundled recipe it extends
@@ -79,7 +77,7 @@ def test_a_flag_between_overrides_is_taken(
 @pytest.mark.parametrize("form", FORMS)
 def test_the_agent_checks_a_missing_config_dir_in_one_line(form: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = _agent_args([*_flag(form, str(tmp_path / "nope")), *SETTINGS], run_dir)
+    args = _agent_args([*_flag(form, str(tmp_path / "nope")), *TINY_SETTINGS], run_dir)
     with pytest.raises(ConfigError, match=r"nope \(--config-dir\) is not a directory"):
         _preflight(args, run_dir)
 
@@ -91,7 +89,7 @@ def test_the_sbatch_script_hands_the_flag_to_the_agent_unchanged(
     # srun records the command it would start on every node instead of starting it.
     record = tmp_path / "srun.args"
     e = slurm_env(tmp_path, srun=f'printf "%s\\n" "$@" > {shlex.quote(str(record))}\n')
-    train_args = [*_flag(form, str(user_dir)), *SETTINGS, "+recipe=mine"]
+    train_args = [*_flag(form, str(user_dir)), *TINY_SETTINGS, "+recipe=mine"]
     job = sbatch(tmp_path, e, *train_args)
     _, err = job.communicate(timeout=hang_limit(60))
     assert job.returncode == 0, err[-3000:]
@@ -111,7 +109,7 @@ def test_a_two_rank_slurm_job_trains_the_users_recipe_with_config_dir_space_form
         e,
         "--config-dir",
         str(user_dir),
-        *SETTINGS,
+        *TINY_SETTINGS,
         "+recipe=mine",
         "kfac=none",
         "train.epochs=1",

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from kfac_bench.train.agent import run_dir_of
 from kfac_bench.train.launch import hydra_quote, run_dir_override
 from tests.harness.fault_util import env, one_error_line, run, shim
-from tests.harness.util import REPO, TINY, user_config_dir
+from tests.harness.util import REPO, TINY_SETTINGS, user_config_dir
 from tests.limits import hang_limit
 
 HOSTILE = [
@@ -127,7 +127,7 @@ def test_torchrun_ranks_train_the_users_recipe_in_a_run_dir_with_spaces_non_asci
         "train",
         "-cd",
         str(user_config_dir(tmp_path)),
-        *[a for a in TINY if not a.startswith("+recipe=")],
+        *TINY_SETTINGS,
         "+recipe=mine",
         "kfac=none",
         "train.epochs=1",

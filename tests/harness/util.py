@@ -23,6 +23,9 @@ TINY = [
     "train.device=cpu",  # on purpose: several ranks with device=auto on a machine without CUDA refuse
 ]
 
+#: TINY without its recipe, for a run of a user's recipe that extends digits_smoke (:data:`USER_RECIPE`).
+TINY_SETTINGS = [a for a in TINY if not a.startswith("+recipe=")]
+
 REPO = Path(__file__).resolve().parents[2]
 
 #: A user's recipe: the digits smoke run under another name, with fewer hidden units.
