@@ -136,7 +136,7 @@ def test_kfac_arm_preconditions_exactly_the_encoder_linears() -> None:
 def smoke_runs(
     bert_phase1: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Path]:
-    """Phase-1 smoke runs of both arms (sharing one prepared shard directory; tests/recipes/conftest.py),
+    """Phase-1 smoke runs of both arms (sharing one prepared shard directory; tests/recipes/bert_smoke.py),
     then a phase-2 K-FAC smoke run from the LAMB phase-1 checkpoint (the paper's Table 4(a) pairing)."""
     root = tmp_path_factory.mktemp("bert_smoke")
     runs = dict(bert_phase1)
