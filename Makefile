@@ -25,7 +25,7 @@ PYTEST := $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-l
 MYPY   := $(BIN)/mypy kfac_bench/kfac
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train test test-fast test-slow lint format bench gpu-check clean
+.PHONY: help setup train test test-fast test-slow ruff lint format bench gpu-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -43,9 +43,11 @@ setup: $(STAMP)  ## create .venv and install kfac-bench (editable) with its dev 
 train: $(STAMP)  ## run the main job: digits CNN, SGD vs SGD + K-FAC x 3 seeds, then the comparison (CPU, ~1 min)
 	$(BIN)/kfac-bench demo
 
-lint: $(STAMP)  ## ruff (lint + format check) and mypy on the library
+ruff: $(STAMP)  ## ruff: lint and format check
 	$(BIN)/ruff check kfac_bench tests benchmarks
 	$(BIN)/ruff format --check kfac_bench tests benchmarks
+
+lint: ruff  ## ruff (lint + format check) and mypy on the library
 	$(MYPY)
 
 test-fast: $(STAMP)  ## the fast suite only (no lint, no smoke recipes)
@@ -54,9 +56,7 @@ test-fast: $(STAMP)  ## the fast suite only (no lint, no smoke recipes)
 test-slow: $(STAMP)  ## the recipe smoke runs (pytest -m slow)
 	$(PYTEST) -m slow
 
-test: $(STAMP)  ## lint and the whole suite: fast tests and recipe smoke runs (PYTEST_WORKERS=2)
-	$(BIN)/ruff check kfac_bench tests benchmarks
-	$(BIN)/ruff format --check kfac_bench tests benchmarks
+test: ruff  ## lint and the whole suite: fast tests and recipe smoke runs (PYTEST_WORKERS=2)
 	@# mypy (25 s of one core without its cache, as in a clean clone) checks beside the suite, not before it;
 	@# its report follows the suite's, and either failing fails the target.
 	$(MYPY) > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
