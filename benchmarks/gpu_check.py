@@ -133,9 +133,9 @@ def run_child(args: argparse.Namespace) -> int:
         ctx.record = record_then_hang  # type: ignore[method-assign]
     try:
         if args.dry_run:
-            import torch
-
-            torch.set_num_threads(1)  # the development machine is small and shared
+            # One compute thread (the development machine is small and shared), set for torch before a step
+            # imports it: a step that does not need torch (gpu_tests, an injected failure) does not load it.
+            os.environ["OMP_NUM_THREADS"] = "1"
         if args.fail_step == name:
             raise RuntimeError(f"failure injected by --fail-step {name}")
         STEPS[name][1](ctx)

@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from benchmarks.gpu_measure import FORMULA
-from benchmarks.gpu_report import CADENCES, WORKLOADS, cadence, get
-from kfac_bench.kfac import STAGES
+from benchmarks.gpu_report import CADENCES, FORMULA, WORKLOADS, cadence, get
 
 
 def _n(x: Any, fmt: str = ".4g") -> str:
@@ -66,8 +64,13 @@ def _stage_rows(report: dict) -> tuple[list[str], list[list[str]]]:
         cols.append((d["per_kind"], [cadence(report["sections"][name], f, k) for f, k in CADENCES]))
     where = {"factor": "factor", "factor_comm": "factor", "decomposition": "decomposition"}
     where["decomposition_comm"] = "decomposition"
-    rows = []
-    for st in (*STAGES, "factor_hooks"):
+    rows: list[list[str]] = []
+    if not cols:
+        return head, rows
+    # The engine's stages (kfac_bench.kfac.STAGES), in its order, as the measuring step recorded them: the
+    # check itself renders reports without importing torch.
+    stages = list(cols[0][0]["plain"]["stages_s"])
+    for st in (*stages, "factor_hooks"):
         label = "factor (hooks, device time by difference)" if st == "factor_hooks" else st
         row = [label]
         for kinds, cad in cols:

@@ -10,8 +10,8 @@ decompositions every 4 steps, so every window of 4 steps holds one step of each 
 Each kind's time is the median over the measured windows (both arms take turns on the same batches, as in
 ``benchmarks/overhead.py``). For factor interval ``f`` and decomposition interval ``k`` (``f`` divides
 ``k``), an interval of ``k`` steps holds 1 decomposition step, ``k/f − 1`` factor steps and ``k − k/f``
-plain steps, so the time per step at that cadence is :data:`FORMULA`; stage times and the SGD arm are
-combined the same way.
+plain steps, so the time per step at that cadence is ``gpu_report.FORMULA``; stage times and the SGD arm
+are combined the same way.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from benchmarks.conv_factor import ConvShape
+from benchmarks.gpu_report import MEASURING_CADENCE
 from benchmarks.overhead import Arm, Setup, StepTime, Workload, eigh_check, kfac_arguments, twins
 from kfac_bench.kfac import STAGES
 from kfac_bench.kfac.layers.conv_factor import (
@@ -38,8 +39,6 @@ from kfac_bench.kfac.layers.conv_factor import (
 )
 
 KINDS = ("decomposition", "factor", "plain")
-MEASURING_CADENCE = (2, 4)  # factor / decomposition interval of the measuring run
-FORMULA = "t(f/k) = [t_decomposition + (k/f - 1)·t_factor + (k - k/f)·t_plain] / k"
 #: Two dispatch paths closer than this are a tie: either choice is right (both methods are exact).
 DISPATCH_TIE = 0.10
 
@@ -51,7 +50,8 @@ def step_kind(step: int) -> str:
 
 
 def amortise(per_kind: dict[str, float], factor_steps: int, inv_steps: int) -> float:
-    """Seconds per step at cadence ``factor_steps / inv_steps`` from per-kind seconds (:data:`FORMULA`)."""
+    """Seconds per step at cadence ``factor_steps / inv_steps`` from per-kind seconds
+    (``gpu_report.FORMULA``)."""
     if factor_steps < 1 or inv_steps % factor_steps != 0:
         raise ValueError(
             f"the factor interval must divide the decomposition interval: {factor_steps}/{inv_steps}"

@@ -15,13 +15,15 @@ import datetime
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.gpu_measure import FORMULA, MEASURING_CADENCE
-
 JSON_NAME, MD_NAME = "gpu-report.json", "gpu-report.md"
 #: Factor / decomposition intervals: the ImageNet cadence 10/100, and 50/500 (KAISA Table 2's F_freq /
 #: K_freq for ResNet-50 and Mask R-CNN; TPDS Fig. 7 decomposes every 500).
 CADENCES = ((10, 100), (50, 500))
 WORKLOADS = ("resnet50", "bert_large")  # sections with a side-by-side measurement
+#: Factor / decomposition interval of the measuring run (``benchmarks/gpu_measure.py``), and how a cadence's
+#: time per step follows from its per-kind medians.
+MEASURING_CADENCE = (2, 4)
+FORMULA = "t(f/k) = [t_decomposition + (k/f - 1)·t_factor + (k - k/f)·t_plain] / k"
 #: A section's status.
 STATUSES = ("pending", "running", "ok", "failed", "timeout", "skipped", "interrupted")
 #: memory_usage() must account for this share of the allocator's K-FAC delta (either way).

@@ -98,13 +98,18 @@ def kill_group(proc: subprocess.Popen[Any], sig: int) -> None:
 def environment(ctx: Context) -> None:
     import importlib.metadata as md
 
-    import torch
-
     d: dict[str, Any] = {
         "dry_run": ctx.dry,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
+    }
+    # The host's facts first: a CUDA runtime that hangs while torch loads it still leaves them.
+    ctx.record("environment", dict(d))
+
+    import torch
+
+    d |= {
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
