@@ -9,8 +9,13 @@ starts write there too), runs :func:`kfac_bench.cli.main`, prints an uncaught ex
 interpreter does, runs the ``atexit`` handlers and exits with the status. It is still a separate process
 (its own signals, run lock, process group membership and exit), only without paying the imports again.
 
+:func:`start_cli_process` starts such a run in the background for the tests that signal a run or wait for
+its records: it answers the part of :class:`subprocess.Popen` they use (``pid``, ``poll``, ``wait``,
+``send_signal``, ``kill``, ``communicate``, ``returncode``), optionally in a session of its own
+(``start_new_session``, the process group a terminal or ``timeout`` signals) or under resource limits.
+Its command line in ``/proc`` is the fork server's; the processes it starts (torchrun's ranks) have their own.
+
 ``KFAC_BENCH_TEST_FORK_CLI=0`` runs a real ``subprocess`` instead (to rule this out when a test fails).
-Tests that signal the CLI or read its output while it runs start it with :mod:`subprocess` themselves.
 """
 
 from __future__ import annotations
@@ -19,14 +24,16 @@ import atexit
 import gc
 import multiprocessing as mp
 import os
+import resource
+import signal
 import subprocess
 import sys
 import tempfile
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["ENV_SWITCH", "run_cli_process"]
+__all__ = ["ENV_SWITCH", "CliProcess", "Running", "run_cli_process", "start_cli_process"]
 
 ENV_SWITCH = "KFAC_BENCH_TEST_FORK_CLI"
 #: What every CLI run imports: loaded once by the fork server. transformers and huggingface_hub read
@@ -90,8 +97,25 @@ def _exit_status(code: object) -> int:
     return 1
 
 
-def _child(args: Sequence[str], cwd: str, env: Mapping[str, str], out: str, err: str) -> None:
-    """The forked run: a fresh ``python -m kfac_bench.cli ARGS`` from here on."""
+def _child(
+    args: Sequence[str],
+    cwd: str,
+    env: Mapping[str, str],
+    out: str,
+    err: str,
+    new_session: bool = False,
+    rlimits: Mapping[int, tuple[int, int]] | None = None,
+) -> None:
+    """The forked run: a fresh ``python -m kfac_bench.cli ARGS`` from here on (what ``subprocess``'s
+    ``start_new_session`` and a ``preexec_fn`` setting ``rlimits`` would have done, done first)."""
+    if new_session:
+        os.setsid()
+    # A process the server forks inherits multiprocessing's "forkserver" start method: the run's own
+    # processes (DataLoader workers) would then be the server's children, outside the run's process group.
+    # A fresh interpreter has none set (fork, on Linux).
+    mp.set_start_method(None, force=True)
+    for which, limits in (rlimits or {}).items():
+        resource.setrlimit(which, limits)
     # The heap inherited from the server (torch, transformers, ...: millions of objects) goes to the
     # collector's permanent generation: the run's full collections skip it instead of walking it and
     # writing to (so copying) its pages, which made a run slower the more the server preloads.
@@ -131,45 +155,142 @@ def _child(args: Sequence[str], cwd: str, env: Mapping[str, str], out: str, err:
             os._exit(status)
 
 
+def _server_for(env: Mapping[str, str]) -> mp.context.ForkServerContext | None:
+    """The fork server to fork a run with environment ``env`` from, or None for a real subprocess (switched
+    off, or a run that would import the hub libraries under other settings than the server did)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    server, hub = _forkserver()
+    return server if _hub_environment(env) == hub else None
+
+
+class CliProcess:
+    """A forked CLI run in the background: the part of :class:`subprocess.Popen` (``text=True``, output
+    captured) that the tests use. Its output goes to files, read by :meth:`communicate`."""
+
+    def __init__(
+        self,
+        server: mp.context.ForkServerContext,
+        args: Sequence[str],
+        cwd: Path,
+        env: Mapping[str, str],
+        new_session: bool,
+        rlimits: Mapping[int, tuple[int, int]] | None,
+    ) -> None:
+        self.args = [sys.executable, "-m", "kfac_bench.cli", *args]
+        self._files = tempfile.TemporaryDirectory(prefix="kfac-bench-cli-")
+        self._out, self._err = Path(self._files.name, "stdout"), Path(self._files.name, "stderr")
+        self._out.touch()
+        self._err.touch()
+        self._proc = server.Process(
+            target=_child,
+            args=(list(args), str(cwd), dict(env), str(self._out), str(self._err)),
+            kwargs={"new_session": new_session, "rlimits": dict(rlimits or {})},
+        )
+        self._proc.start()
+        assert self._proc.pid is not None
+        self.pid: int = self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode  # negative: killed by that signal, as subprocess reports it
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self.returncode is None:
+            assert timeout is not None
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        return (
+            self._out.read_text(encoding="utf-8", errors="replace"),
+            self._err.read_text(encoding="utf-8", errors="replace"),
+        )
+
+
+#: A CLI run in the background: forked, or a real subprocess.
+Running = CliProcess | subprocess.Popen[str]
+
+
+def start_cli_process(
+    args: Sequence[str],
+    cwd: Path,
+    env: Mapping[str, str],
+    start_new_session: bool = False,
+    rlimits: Mapping[int, tuple[int, int]] | None = None,
+) -> Running:
+    """``python -m kfac_bench.cli ARGS`` in the background in ``cwd`` with exactly ``env``, like
+    :class:`subprocess.Popen` with ``stdout=PIPE, stderr=PIPE, text=True`` (and ``start_new_session``;
+    ``rlimits``: :func:`resource.setrlimit` limits set before the run starts)."""
+    server = _server_for(env)
+    if server is not None:
+        return CliProcess(server, args, cwd, env, start_new_session, rlimits)
+    return subprocess.Popen(
+        [sys.executable, "-m", "kfac_bench.cli", *args],
+        cwd=cwd,
+        env=dict(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=start_new_session,
+        **_preexec(rlimits),
+    )
+
+
+def _preexec(rlimits: Mapping[int, tuple[int, int]] | None) -> dict[str, Callable[[], None]]:
+    """``preexec_fn`` for a real subprocess under ``rlimits`` (none without limits)."""
+    if not rlimits:
+        return {}
+
+    def limit() -> None:
+        for which, limits in rlimits.items():
+            resource.setrlimit(which, limits)
+
+    return {"preexec_fn": limit}
+
+
 def run_cli_process(
-    args: Sequence[str], cwd: Path, env: Mapping[str, str], timeout: float
+    args: Sequence[str],
+    cwd: Path,
+    env: Mapping[str, str],
+    timeout: float,
+    rlimits: Mapping[int, tuple[int, int]] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``python -m kfac_bench.cli ARGS`` in ``cwd`` with exactly ``env``, like :func:`subprocess.run` with
-    ``capture_output=True, text=True, timeout=timeout``.
+    ``capture_output=True, text=True, timeout=timeout`` (``rlimits`` as for :func:`start_cli_process`).
 
     Raises:
         subprocess.TimeoutExpired: the run did not end within ``timeout`` seconds (it is killed).
     """
-    cmd = [sys.executable, "-m", "kfac_bench.cli", *args]
-    forked = os.environ.get(ENV_SWITCH, "1") != "0"
-    if forked:
-        server, hub = _forkserver()
-        # A run that would import the hub libraries under other settings than the server did is not forked.
-        forked = _hub_environment(env) == hub
-    if not forked:
+    server = _server_for(env)
+    if server is None:
         return subprocess.run(
-            cmd, cwd=cwd, env=dict(env), capture_output=True, text=True, timeout=timeout
+            [sys.executable, "-m", "kfac_bench.cli", *args],
+            cwd=cwd,
+            env=dict(env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            **_preexec(rlimits),
         )
-    with tempfile.TemporaryDirectory(prefix="kfac-bench-cli-") as tmp:
-        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        out.touch()
-        err.touch()
-        proc = server.Process(
-            target=_child, args=(list(args), str(cwd), dict(env), str(out), str(err))
-        )
-        proc.start()
-        proc.join(timeout)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-            raise subprocess.TimeoutExpired(
-                cmd, timeout, output=out.read_text(errors="replace"), stderr=err.read_text()
-            )
-        status = proc.exitcode
-        assert status is not None
-        return subprocess.CompletedProcess(
-            cmd,
-            status,
-            stdout=out.read_text(encoding="utf-8", errors="replace"),
-            stderr=err.read_text(encoding="utf-8", errors="replace"),
-        )
+    proc = CliProcess(server, args, cwd, env, False, rlimits)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        proc.kill()
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(proc.args, timeout, output=out, stderr=err) from exc
+    assert proc.returncode is not None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout=out, stderr=err)

@@ -7,9 +7,11 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tests.harness.cli_process import Running
 from tests.harness.util import REPO, cli_env
 from tests.limits import hang_limit
 
@@ -25,6 +27,11 @@ def env(**extra: str) -> dict[str, str]:
     return e
 
 
+_default_env = (
+    env  # what start() and run() use without an ``env`` argument (which shadows the name)
+)
+
+
 def fault(marker: Path, at: int, action: str, rank: int = 0) -> list[str]:
     """Overrides that make the model do ``action`` once, at its ``at``-th training step on ``rank``."""
     return [
@@ -36,38 +43,31 @@ def fault(marker: Path, at: int, action: str, rank: int = 0) -> list[str]:
     ]
 
 
-def start(*args: str, cwd: Path, **kwargs: Any) -> subprocess.Popen[str]:
-    """``python -m kfac_bench.cli ARGS`` in the background."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "kfac_bench.cli", *args],
-        cwd=cwd,
-        env=kwargs.pop("env", env()),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kwargs,
-    )
+def start(
+    *args: str,
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    start_new_session: bool = False,
+) -> Running:
+    """``python -m kfac_bench.cli ARGS`` in the background (forked from a warm interpreter:
+    :func:`tests.harness.cli_process.start_cli_process`), in a session of its own if asked."""
+    from tests.harness.cli_process import start_cli_process
+
+    return start_cli_process(args, cwd, env or _default_env(), start_new_session=start_new_session)
 
 
 def run(
-    *args: str, cwd: Path, timeout: float = 120, **kwargs: Any
+    *args: str,
+    cwd: Path,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    rlimits: Mapping[int, tuple[int, int]] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``python -m kfac_bench.cli ARGS`` to its end (forked from a warm interpreter:
-    :mod:`tests.harness.cli_process`, unless ``kwargs`` asks :func:`subprocess.run` for more)."""
-    environment = kwargs.pop("env", None) or env()
-    if not kwargs:
-        from tests.harness.cli_process import run_cli_process
+    :mod:`tests.harness.cli_process`); ``rlimits``: :func:`resource.setrlimit` limits of the run."""
+    from tests.harness.cli_process import run_cli_process
 
-        return run_cli_process(args, cwd, environment, hang_limit(timeout))
-    return subprocess.run(
-        [sys.executable, "-m", "kfac_bench.cli", *args],
-        cwd=cwd,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=hang_limit(timeout),
-        **kwargs,
-    )
+    return run_cli_process(args, cwd, env or _default_env(), hang_limit(timeout), rlimits=rlimits)
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
@@ -79,9 +79,7 @@ def eval_steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in records(run_dir)]
 
 
-def wait_for_records(
-    run_dir: Path, n: int, proc: subprocess.Popen[str], timeout: float = 90
-) -> None:
+def wait_for_records(run_dir: Path, n: int, proc: Running, timeout: float = 90) -> None:
     """Until ``eval.jsonl`` holds ``n`` records (fails if ``proc`` ends first)."""
     deadline = time.monotonic() + hang_limit(timeout)
     while len(records(run_dir)) < n:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from kfac_bench.train.signals import EXIT_REQUEUE
+from tests.harness.cli_process import Running, start_cli_process
 from tests.harness.util import TINY, cli_env, console_script, run_cli
 from tests.limits import hang_limit
 
@@ -90,7 +90,7 @@ def test_console_script_trains_digits(tmp_path: Path, kfac: str) -> None:
         assert "K-FAC preconditions 4 layers: 100.0%" in result.stdout + result.stderr
 
 
-def _wait_for(path: Path, lines: int, proc: subprocess.Popen[str], timeout: float = 90) -> None:
+def _wait_for(path: Path, lines: int, proc: Running, timeout: float = 90) -> None:
     end = time.monotonic() + hang_limit(timeout)
     while time.monotonic() < end and proc.poll() is None:
         if path.is_file() and len(path.read_text().splitlines()) >= lines:
@@ -111,10 +111,7 @@ def test_sigterm_checkpoints_requeues_and_resume_matches_uninterrupted(tmp_path:
     ]
     whole = run_cli("train", *args, "hydra.run.dir=whole", cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr
-    cmd = [sys.executable, "-m", "kfac_bench.cli", "train", *args, "hydra.run.dir=parts"]
-    proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    proc = start_cli_process(["train", *args, "hydra.run.dir=parts"], tmp_path, cli_env())
     _wait_for(tmp_path / "parts" / "eval.jsonl", 2, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=hang_limit(60))

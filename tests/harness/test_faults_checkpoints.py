@@ -75,10 +75,6 @@ def _outputs(run_dir: Path) -> dict[str, bytes]:
     }
 
 
-def _file_size_limit(limit: int) -> None:
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-
 def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     assert run("train", *EVERY_3, cwd=tmp_path).returncode == 0
@@ -90,7 +86,7 @@ def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path: Path) -> None:
         *EVERY_3,
         "train.epochs=3",
         cwd=tmp_path,
-        preexec_fn=lambda: _file_size_limit(100_000),
+        rlimits={resource.RLIMIT_FSIZE: (100_000, 100_000)},
     )
     assert checkpoint_size > 100_000
     assert result.returncode == 2
