@@ -2,12 +2,13 @@
 
 Most of a short CLI run in the suite is interpreter start-up: importing torch, Hydra and the harness takes
 ~3 s of CPU per process, and the suite starts well over a hundred of them on a 2-core machine. The standard
-library's forkserver (:mod:`multiprocessing`) imports those modules once per test worker; each run is then
-a fork of that server which sets up what a fresh ``python -m kfac_bench.cli`` would see (``sys.argv``, the
-environment, the working directory, stdout/stderr as files at the descriptor level, so the processes it
-starts write there too), runs :func:`kfac_bench.cli.main`, prints an uncaught exception's traceback as the
-interpreter does, runs the ``atexit`` handlers and exits with the status. It is still a separate process
-(its own signals, run lock, process group membership and exit), only without paying the imports again.
+library's forkserver (:mod:`multiprocessing`) imports those modules once per test worker; each run is then a
+fork of that server which sets up what a fresh ``python -m kfac_bench.cli`` would see (``sys.argv``, the
+environment, the working directory, multiprocessing's default start method, stdout/stderr as files at the
+descriptor level, so the processes it starts write there too), runs :func:`kfac_bench.cli.main`, prints an
+uncaught exception's traceback as the interpreter does, runs the ``atexit`` handlers and exits with the
+status. It is still a separate process (its own signals, run lock, process group membership and exit), only
+without paying the imports again.
 
 :func:`start_cli_process` starts such a run in the background for the tests that signal a run or wait for
 its records: it answers the part of :class:`subprocess.Popen` they use (``pid``, ``poll``, ``wait``,

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tests.harness.cli_process import Running
+from tests.harness.cli_process import Running, run_cli_process, start_cli_process
 from tests.harness.util import REPO, cli_env
 from tests.limits import hang_limit
 
@@ -27,9 +27,8 @@ def env(**extra: str) -> dict[str, str]:
     return e
 
 
-_default_env = (
-    env  # what start() and run() use without an ``env`` argument (which shadows the name)
-)
+#: What start() and run() use without an ``env`` argument (whose name shadows :func:`env` there).
+_default_env = env
 
 
 def fault(marker: Path, at: int, action: str, rank: int = 0) -> list[str]:
@@ -51,9 +50,8 @@ def start(
 ) -> Running:
     """``python -m kfac_bench.cli ARGS`` in the background (forked from a warm interpreter:
     :func:`tests.harness.cli_process.start_cli_process`), in a session of its own if asked."""
-    from tests.harness.cli_process import start_cli_process
-
-    return start_cli_process(args, cwd, env or _default_env(), start_new_session=start_new_session)
+    environment = _default_env() if env is None else env
+    return start_cli_process(args, cwd, environment, start_new_session=start_new_session)
 
 
 def run(
@@ -65,9 +63,8 @@ def run(
 ) -> subprocess.CompletedProcess[str]:
     """``python -m kfac_bench.cli ARGS`` to its end (forked from a warm interpreter:
     :mod:`tests.harness.cli_process`); ``rlimits``: :func:`resource.setrlimit` limits of the run."""
-    from tests.harness.cli_process import run_cli_process
-
-    return run_cli_process(args, cwd, env or _default_env(), hang_limit(timeout), rlimits=rlimits)
+    environment = _default_env() if env is None else env
+    return run_cli_process(args, cwd, environment, hang_limit(timeout), rlimits=rlimits)
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
