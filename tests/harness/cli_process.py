@@ -22,6 +22,7 @@ Its command line in ``/proc`` is the fork server's; the processes it starts (tor
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import multiprocessing as mp
 import os
@@ -111,12 +112,11 @@ def _child(
     ``start_new_session`` and a ``preexec_fn`` setting ``rlimits`` would have done, done first)."""
     if new_session:
         os.setsid()
+    _set_limits(rlimits)
     # A process the server forks inherits multiprocessing's "forkserver" start method: the run's own
     # processes (DataLoader workers) would then be the server's children, outside the run's process group.
     # A fresh interpreter has none set (fork, on Linux).
     mp.set_start_method(None, force=True)
-    for which, limits in (rlimits or {}).items():
-        resource.setrlimit(which, limits)
     # The heap inherited from the server (torch, transformers, ...: millions of objects) goes to the
     # collector's permanent generation: the run's full collections skip it instead of walking it and
     # writing to (so copying) its pages, which made a run slower the more the server preloads.
@@ -178,7 +178,7 @@ class CliProcess:
         new_session: bool,
         rlimits: Mapping[int, tuple[int, int]] | None,
     ) -> None:
-        self.args = [sys.executable, "-m", "kfac_bench.cli", *args]
+        self.args = _command(args)
         self._files = tempfile.TemporaryDirectory(prefix="kfac-bench-cli-")
         self._out, self._err = Path(self._files.name, "stdout"), Path(self._files.name, "stderr")
         self._out.touch()
@@ -239,7 +239,7 @@ def start_cli_process(
     if server is not None:
         return CliProcess(server, args, cwd, env, start_new_session, rlimits)
     return subprocess.Popen(
-        [sys.executable, "-m", "kfac_bench.cli", *args],
+        _command(args),
         cwd=cwd,
         env=dict(env),
         stdout=subprocess.PIPE,
@@ -250,16 +250,20 @@ def start_cli_process(
     )
 
 
+def _command(args: Sequence[str]) -> list[str]:
+    """The command line of the run a forked run stands for."""
+    return [sys.executable, "-m", "kfac_bench.cli", *args]
+
+
+def _set_limits(rlimits: Mapping[int, tuple[int, int]] | None) -> None:
+    """:func:`resource.setrlimit` for each of ``rlimits`` in this process."""
+    for which, limits in (rlimits or {}).items():
+        resource.setrlimit(which, limits)
+
+
 def _preexec(rlimits: Mapping[int, tuple[int, int]] | None) -> dict[str, Callable[[], None]]:
     """``preexec_fn`` for a real subprocess under ``rlimits`` (none without limits)."""
-    if not rlimits:
-        return {}
-
-    def limit() -> None:
-        for which, limits in rlimits.items():
-            resource.setrlimit(which, limits)
-
-    return {"preexec_fn": limit}
+    return {"preexec_fn": functools.partial(_set_limits, rlimits)} if rlimits else {}
 
 
 def run_cli_process(
@@ -278,7 +282,7 @@ def run_cli_process(
     server = _server_for(env)
     if server is None:
         return subprocess.run(
-            [sys.executable, "-m", "kfac_bench.cli", *args],
+            _command(args),
             cwd=cwd,
             env=dict(env),
             capture_output=True,
