@@ -7,15 +7,14 @@ PIP_INSTALL := $(BIN)/pip install --disable-pip-version-check -q -c constraints.
 # uv installs the same constraints 3x faster than pip (45 s against 2 min from a cold cache: parallel
 # downloads and unpacking of torch's CUDA wheels); pip does it where uv cannot be installed.
 UV_INSTALL  := $(BIN)/uv pip install -q --python $(BIN)/python -c constraints.txt
-# Bytecode. Where PYTHONDONTWRITEBYTECODE is set (CI images, containers), every process compiles what it
-# imports, again: a rank would compile torch. Compiling all ~19,000 files of the venv (pip's default, uv's
-# --compile-bytecode) was 43 of a 54 s install; make setup compiles the packages that a run's and the
-# suite's processes import (COMPILED, whole: they import lazily; a file that does not compile, such as
-# torch's Python 3.12 test helpers, is skipped as pip skips it) and, by importing them once, the parts of
-# transformers and sympy they use (WARM). A package missing here only costs its importers a compile.
-COMPILED := torch torchvision hydra hydra_plugins omegaconf antlr4 yaml numpy timm mlperf_logging PIL \
-	tensorboard pycocotools matplotlib mpl_toolkits pyparsing dateutil cycler kiwisolver submitit \
-	cloudpickle h5py _pytest pytest pluggy xdist execnet pytest_timeout iniconfig
+# Bytecode. Where PYTHONDONTWRITEBYTECODE is set (CI images, containers), every process would compile what it
+# imports, again: each rank and CLI run of the suite would compile torch. The targets below run with it unset
+# (the venv and the tree's __pycache__ are this project's own, as pip's install-time compile is), so each
+# module compiles once, in whichever process imports it first. make setup imports what a run and the suite's
+# workers import (WARM) so that the two workers do not both compile torch at start-up. Compiling whole
+# packages instead (pip's default, uv's --compile-bytecode: ~19,000 files) was 18 s of a 31 s setup, for
+# the many modules nothing here imports.
+unexport PYTHONDONTWRITEBYTECODE
 WARM := torch._dynamo kfac_bench.cli kfac_bench.train.run kfac_bench.models.bert kfac_bench.models.bert_qa
 # pytest-xdist workers (0: one process). Whole test files go to one worker (--dist loadfile), so a module's
 # fixtures (the BERT and SQuAD smoke chains) are built once; most tests wait on subprocesses or sleep.
@@ -33,9 +32,7 @@ help:  ## list the targets
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	{ $(PIP_INSTALL) uv && $(UV_INSTALL) -e ".[dev]"; } || $(PIP_INSTALL) -e ".[dev]"
-	$(BIN)/python -c 'import compileall as c, pathlib as p, sysconfig as s; site = p.Path(s.get_path("purelib")); \
-	  [c.compile_dir(d, quiet=2, workers=0) for d in [p.Path("kfac_bench"), *(site / n for n in "$(COMPILED)".split())]]'
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -c 'import importlib; [importlib.import_module(m) for m in "$(WARM)".split()]'
+	$(BIN)/python -c 'import importlib; [importlib.import_module(m) for m in "$(WARM)".split()]'
 	touch $(STAMP)
 
 setup: $(STAMP)  ## create .venv and install kfac-bench (editable) with its dev extra
