@@ -13,7 +13,8 @@ UV_INSTALL  := $(BIN)/uv pip install -q --python $(BIN)/python -c constraints.tx
 # module compiles once, in whichever process imports it first. make setup imports what a run and the suite's
 # workers import (WARM) so that the two workers do not both compile torch at start-up. Compiling whole
 # packages instead (pip's default, uv's --compile-bytecode: ~19,000 files) was 18 s of a 31 s setup, for
-# the many modules nothing here imports.
+# the many modules nothing here imports, and left what it did not list (transformers, scipy, the suite's own
+# modules) to be compiled by every process that imported it: the suite ran 30 s longer.
 unexport PYTHONDONTWRITEBYTECODE
 WARM := torch._dynamo kfac_bench.cli kfac_bench.train.run kfac_bench.models.bert kfac_bench.models.bert_qa
 # pytest-xdist workers (0: one process). Whole test files go to one worker (--dist loadfile), so a module's
