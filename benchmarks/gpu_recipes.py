@@ -1,7 +1,7 @@
 """The GPU check's ``recipes`` step: the smoke recipes through the ``kfac-bench`` CLI as a user runs them,
 one under ``launcher=torchrun``, and a world-1 collectives probe (NCCL on CUDA, gloo on the CPU).
 
-At world 1 the harness starts no process group (``kfac_bench/train/distributed.py``: ``distributed`` is
+At world 1 the harness starts no process group (``kfac_bench/launcher/distributed.py``: ``distributed`` is
 ``world_size > 1``), so the torchrun run exercises the launcher but not NCCL; the probe joins an NCCL group of
 one rank through torchrun and checks an all-reduce and a broadcast on the device.
 """

@@ -34,7 +34,7 @@ class Context(Protocol):
 
 def child_env() -> dict[str, str]:
     """This environment for a child process: the repository importable, no outer torchrun/SLURM job."""
-    from kfac_bench.train.launch import outside_job_env
+    from kfac_bench.launcher.torchrun import outside_job_env
 
     env = outside_job_env()
     env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")

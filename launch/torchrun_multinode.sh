@@ -10,16 +10,16 @@
 # the script stops with one line: set it and pass train.device=cpu to train on CPUs on purpose), RUN_ID
 # (rendezvous id and run dir name), RUN_DIR (runs/<RUN_ID>, on a shared filesystem so a restarted job
 # resumes from its checkpoint), MAX_RESTARTS (0), PYTHON (python).
-# kfac_bench.train.agent is torchrun that passes SIGTERM/SIGUSR1 on to the ranks: they checkpoint and stop,
+# kfac_bench.launcher.agent is torchrun that passes SIGTERM/SIGUSR1 on to the ranks: they checkpoint and stop,
 # and this script exits 75 (run it again to resume).
 set -euo pipefail
 : "${NNODES:?set NNODES to the number of nodes}"
 : "${MASTER_ADDR:?set MASTER_ADDR to the first node}"
 RUN_ID=${RUN_ID:-kfac-bench}
 # hydra.run.dir='RUN_DIR', quoted for Hydra's override grammar (spaces, ',', '=', non-ASCII).
-run_dir_arg=$("${PYTHON:-python}" -m kfac_bench.train.launch "${RUN_DIR:-runs/${RUN_ID}}")
+run_dir_arg=$("${PYTHON:-python}" -m kfac_bench.launcher.torchrun "${RUN_DIR:-runs/${RUN_ID}}")
 
-exec "${PYTHON:-python}" -m kfac_bench.train.agent \
+exec "${PYTHON:-python}" -m kfac_bench.launcher.agent \
   --nnodes="${NNODES}" --nproc-per-node="${GPUS_PER_NODE:-gpu}" \
   --rdzv-backend=c10d --rdzv-endpoint="${MASTER_ADDR}:${MASTER_PORT:-29500}" --rdzv-id="${RUN_ID}" \
   --max-restarts="${MAX_RESTARTS:-0}" \

@@ -1,6 +1,6 @@
 """``kfac-bench compare``: time-to-target of arms (runs grouped by optimizer and K-FAC strategy, several
 seeds into median and spread) against a baseline (the first first-order arm unless ``--baseline`` names
-one), with a one-line verdict; the table and plot are :mod:`kfac_bench.metrics.compare`'s."""
+one), with a one-line verdict; the table and plot are :mod:`kfac_bench.compare.report`'s."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ SUMMARY = """\
 def main(args: Sequence[str]) -> int:
     """``kfac-bench compare ARGS``: writes ``compare.md``, ``compare.csv`` and ``compare.png`` to ``--out``
     and prints the table."""
-    from kfac_bench.metrics.compare import find_runs, output_dir, write_outputs
+    from kfac_bench.compare.report import find_runs, output_dir, write_outputs
 
     parser = argparse.ArgumentParser(
         prog="kfac-bench compare",
@@ -59,10 +59,10 @@ def main(args: Sequence[str]) -> int:
 
 
 def _compare_chains(ns: argparse.Namespace) -> int:
-    """Final SQuAD F1 and time to solution per chain (:mod:`kfac_bench.metrics.chain`)."""
+    """Final SQuAD F1 and time to solution per chain (:mod:`kfac_bench.compare.chain`)."""
+    from kfac_bench.compare.chain import compare_chains, render_chains
+    from kfac_bench.compare.report import output_dir
     from kfac_bench.errors import UserError
-    from kfac_bench.metrics.chain import compare_chains, render_chains
-    from kfac_bench.metrics.compare import output_dir
 
     if not ns.chain or ns.runs:
         given = "both" if ns.runs else "neither"

@@ -59,7 +59,7 @@ def _configs(ns: argparse.Namespace) -> list[tuple[str, int, Any]]:
         ConfigError: a bad override (before anything trains).
     """
     from kfac_bench.config.compose import compose_run
-    from kfac_bench.train.preflight import check_run
+    from kfac_bench.launcher.preflight import check_run
 
     common = ["train.progress=none"] + ([f"train.epochs={ns.epochs}"] if ns.epochs else [])
     runs = []
@@ -90,7 +90,7 @@ def main(args: Sequence[str]) -> int:
     ns = _parse(args)
     runs = _configs(ns)
     out = _out_dir(ns.out)
-    from kfac_bench.metrics.compare import find_runs, write_outputs
+    from kfac_bench.compare.report import find_runs, write_outputs
     from kfac_bench.train.run import train
 
     if any(cfg.train.tensorboard for _, _, cfg in runs):

@@ -142,15 +142,15 @@ def _first(override: object) -> str:
 
 def main(args: Sequence[str]) -> int:
     """``kfac-bench train ARGS``; returns the exit status (the worst over a sweep's jobs)."""
-    from kfac_bench.train.launch import inside_launched_worker
+    from kfac_bench.launcher.torchrun import inside_launched_worker
 
     if "--help" in args or "-h" in args:
         print(help_text(), end="")
         return 0
     worker = inside_launched_worker()
     if worker:
-        from kfac_bench.train.lifeline import tie_to_agent
-        from kfac_bench.train.signals import catch_early
+        from kfac_bench.launcher.lifeline import tie_to_agent
+        from kfac_bench.launcher.signals import catch_early
 
         tie_to_agent()  # a rank dies with the agent that started it, even a SIGKILLed one
         catch_early()  # a preemption signal during the imports below is kept, not fatal
@@ -165,7 +165,7 @@ def main(args: Sequence[str]) -> int:
                 overrides, bool(names & {"-m", "--multirun"}), config_dirs_of(flags)
             )
             if cfg is not None and not names & {"--cfg", "-c"}:
-                from kfac_bench.train.preflight import check_run
+                from kfac_bench.launcher.preflight import check_run
 
                 check_run(cfg)
                 if not worker:
@@ -187,7 +187,7 @@ def main(args: Sequence[str]) -> int:
         return _run_hydra([*normalize_overrides(overrides), *flags], shared)
     finally:
         if locked is not None:
-            from kfac_bench.train import rundir
+            from kfac_bench.launcher import rundir
 
             rundir.release(locked)
 
@@ -196,8 +196,8 @@ def _run_dir_from_rank_0(overrides: Sequence[str], multirun: bool) -> bool:
     """Whether this is a rank of a job started without a run directory (a plain ``torchrun -m kfac_bench.cli
     train``): every rank would generate a name of its own, so all take rank 0's. The launchers and launch
     scripts name one (``hydra.run.dir``) for every rank."""
-    from kfac_bench.train.distributed import detect
-    from kfac_bench.train.launch import inside_launched_worker
+    from kfac_bench.launcher.distributed import detect
+    from kfac_bench.launcher.torchrun import inside_launched_worker
 
     if multirun or not inside_launched_worker() or not detect().distributed:
         return False
@@ -240,7 +240,7 @@ def _check_flags(flags: list[str]) -> set[str]:
 
 
 def _secondary_rank() -> bool:
-    from kfac_bench.train.distributed import detect
+    from kfac_bench.launcher.distributed import detect
 
     return detect().rank != 0
 
@@ -250,7 +250,7 @@ def _check_explicit_run_dir(cfg: Any, overrides: Sequence[str]) -> Path | None:
     record this config. Its lock is taken here, before Hydra writes its ``.hydra/`` files there, so of two
     runs started at once in one directory the loser leaves no trace (the job's claim then finds the lock
     held by this process). Returns the locked directory, for the caller to release."""
-    from kfac_bench.train import rundir
+    from kfac_bench.launcher import rundir
 
     if not any(o.startswith("hydra.run.dir=") for o in overrides):
         return None
@@ -334,9 +334,9 @@ def _run_hydra(args: list[str], run_dir_from_rank_0: bool = False) -> int:
 
 
 def _job(cfg: Any, run_dir: Path, overrides: list[str], run_dir_from_rank_0: bool = False) -> int:
-    from kfac_bench.train import rundir
-    from kfac_bench.train.launch import inside_launched_worker, launch_torchrun
-    from kfac_bench.train.preflight import check_run, job_world
+    from kfac_bench.launcher import rundir
+    from kfac_bench.launcher.preflight import check_run, job_world
+    from kfac_bench.launcher.torchrun import inside_launched_worker, launch_torchrun
 
     world = job_world(cfg)  # one reading for the device check and the resume check
     check_run(cfg, world.size)
@@ -346,7 +346,7 @@ def _job(cfg: Any, run_dir: Path, overrides: list[str], run_dir_from_rank_0: boo
         rundir.claim(run_dir, cfg)
         os.environ[rundir.LOCKED_ENV] = str(run_dir.resolve())
         try:
-            from kfac_bench.train.elastic import check_launch
+            from kfac_bench.checkpoint.elastic import check_launch
 
             check_launch(run_dir, cfg, world.size)  # before any rank starts
             return launch_torchrun(

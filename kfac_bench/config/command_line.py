@@ -1,7 +1,7 @@
 """A ``kfac-bench train`` command line split as Hydra splits it: its flags (with their values) and its
 overrides, and the user's config directories among the flags (``--config-dir DIR``, ``--config-dir=DIR``,
 ``-cd DIR``). Shared by the CLI and by the multinode agent, which checks the same command line before it
-starts the ranks (:mod:`kfac_bench.train.agent`)."""
+starts the ranks (:mod:`kfac_bench.launcher.agent`)."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 from hydra import compose, initialize_config_dir
@@ -18,9 +19,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kfac_bench.config import config_dir, hydra_quote
 from kfac_bench.config.store import broken_recipe, register, yaml_error_line
-from kfac_bench.errors import ConfigError
+from kfac_bench.errors import ConfigError, UserError
 
-__all__ = ["PRIMARY", "compose_run", "to_config_error"]
+__all__ = ["PRIMARY", "compose_run", "instantiate", "to_config_error"]
 
 PRIMARY = "train"
 _MISSING = re.compile(r"Could not (?:find|load) '([^']+)'")
@@ -126,3 +127,17 @@ def to_config_error(exc: BaseException) -> ConfigError:
         return ConfigError(f"invalid override '{merging.group(1)}': {detail}")
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return ConfigError("invalid config: " + (lines[0] if lines else type(exc).__name__))
+
+
+def instantiate(cfg: Any, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` (containers as plain Python), re-raising a builder's
+    :class:`~kfac_bench.errors.UserError` as itself so the CLI reports it in one line."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate as hydra_instantiate
+
+    try:
+        return hydra_instantiate(cfg, _convert_="all", **kwargs)
+    except InstantiationException as exc:
+        if isinstance(exc.__cause__, UserError):
+            raise exc.__cause__ from None
+        raise

@@ -307,7 +307,8 @@ class TrainConfig:
     #: Start from another run (BERT phase 2 from phase 1; the phase-2 recipes set it to
     #: ``model.init_checkpoint``): its run directory or ``checkpoints/last.pt``. Model, optimizer state and
     #: K-FAC factors are carried over; counters and LR schedule start at 0
-    #: (``kfac_bench/train/warm_start.py``). Ignored when this run directory resumes from its own checkpoint.
+    #: (``kfac_bench/checkpoint/warm_start.py``). Ignored when this run directory resumes from its own
+    #: checkpoint.
     init_from: str | None = None
 
 

@@ -27,7 +27,7 @@ __all__ = [
     "shutdown_workers",
 ]
 
-#: Signals that stop a run cleanly in its main process (:mod:`kfac_bench.train.signals`).
+#: Signals that stop a run cleanly in its main process (:mod:`kfac_bench.launcher.signals`).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 

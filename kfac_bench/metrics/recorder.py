@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from kfac_bench.metrics import sinks
 from kfac_bench.metrics.mlperf import MLPERF_FILE, MLPerfLog, RunFacts
 from kfac_bench.metrics.progress import Progress
-from kfac_bench.metrics.tracker import Clock, StageTimes, Throughput
+from kfac_bench.metrics.timekeeping import Clock, StageTimes, Throughput
 from kfac_bench.metrics.trackers import Tracker, hparams, summary_metrics
 
 __all__ = ["Recorder", "RunProgress"]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kfac_bench.metrics.sinks import json_safe
-from kfac_bench.metrics.tracker import TargetTracker, Throughput
+from kfac_bench.metrics.timekeeping import TargetTracker, Throughput
 
 if TYPE_CHECKING:
     import torch
@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 __all__ = [
     "STATUSES",
     "SUMMARY_FILE",
+    "arm_label",
+    "first_order",
     "git_commit",
     "peak_memory_bytes",
     "read_summary",
@@ -167,3 +169,39 @@ def report_line(result: dict[str, Any], run_dir: Path) -> str:
     else:
         line = f"no target set (best {metric} {result['best_metric']})"
     return f"kfac-bench: {result['status']} | {line} | run dir {run_dir}"
+
+
+_OPTIMIZERS = {"sgd": "SGD", "adamw": "AdamW", "lamb": "LAMB"}
+_STRATEGIES = {"comm_opt": "COMM-OPT", "mem_opt": "MEM-OPT", "hybrid_opt": "HYBRID-OPT"}
+
+
+def _strategy(value: Any) -> str:
+    text = str(value).strip().lower()
+    if text in _STRATEGIES:
+        return _STRATEGIES[text]
+    try:
+        fraction = float(text)
+    except ValueError:
+        return text
+    return "COMM-OPT" if fraction == 1.0 else f"HYBRID-OPT {fraction:g}"
+
+
+def arm_label(summary: dict[str, Any]) -> str:
+    """ "SGD", "SGD + K-FAC (COMM-OPT)", "LAMB + K-FAC (HYBRID-OPT 0.5)", ... from a run's summary."""
+    config = summary.get("config") or {}
+    optimizer = config.get("optimizer") or {}
+    name = str(optimizer.get("name", "?"))
+    label = _OPTIMIZERS.get(name.lower(), name)
+    if optimizer.get("nesterov"):
+        label += " (Nesterov)"
+    if not first_order(summary):
+        kfac = config.get("kfac") or {}
+        label += f" + K-FAC ({_strategy(kfac.get('grad_worker_fraction', 'comm_opt'))})"
+    return label
+
+
+def first_order(summary: dict[str, Any]) -> bool:
+    enabled = summary.get("kfac_enabled")
+    if enabled is None:
+        enabled = ((summary.get("config") or {}).get("kfac") or {}).get("enabled", False)
+    return not enabled

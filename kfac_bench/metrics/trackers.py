@@ -5,7 +5,7 @@ Each tracker gets the run's config as parameters (flattened: ``optimizer.lr``, `
 ...), every evaluation's metrics (``eval/<metric>`` at the optimizer step), and when the run ends its
 time-to-target and throughput (:data:`SUMMARY_METRICS`; a measure that does not apply, such as the time of a
 run that missed its target, is left out). Runs of every arm go to one MLflow experiment / W&B project
-(``train.tracker_project``), labelled with their arm (``kfac_bench.metrics.arms.arm_label``), so they
+(``train.tracker_project``), labelled with their arm (``kfac_bench.metrics.summary.arm_label``), so they
 compare there side by side.
 
 - MLflow (``pip install 'kfac-bench[tracking]'``): ``train.tracker_uri`` (any MLflow tracking URI: a server,
@@ -98,7 +98,7 @@ def hparams(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _arm(config: Mapping[str, Any]) -> str:
-    from kfac_bench.metrics.arms import arm_label
+    from kfac_bench.metrics.summary import arm_label
 
     config = _plain(config)
     enabled = bool((config.get("kfac") or {}).get("enabled", False))

@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers: building ne
 
 from transformers import BertConfig, BertForPreTraining
 
-from kfac_bench import torchfile
+from kfac_bench.checkpoint import torchfile
 from kfac_bench.errors import ConfigError
 
 __all__ = ["BERT_KFAC_SKIP_LAYERS", "BERT_PRESETS", "bert_config", "build_bert", "load_model_state"]
@@ -97,12 +97,13 @@ def load_model_state(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     Accepts a plain ``state_dict`` or a dict holding it under ``"model"`` (a kfac-bench training
     checkpoint); strips the ``module.`` prefix of DDP and the ``_orig_mod.`` prefix of ``torch.compile``.
 
-    The file is read as data only (:func:`kfac_bench.torchfile.load`): a file whose pickle names code is
-    refused unread.
+    The file is read as data only (:func:`kfac_bench.checkpoint.torchfile.load`): a file whose pickle names
+    code is refused unread.
 
     Raises:
         ConfigError: the file is missing or holds no model state_dict.
-        kfac_bench.torchfile.RefusedFile, kfac_bench.torchfile.UnreadableFile: one line naming the file.
+        kfac_bench.checkpoint.torchfile.RefusedFile, kfac_bench.checkpoint.torchfile.UnreadableFile: one
+            line naming the file.
     """
     file = Path(path)
     if not file.is_file():

@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers: building ne
 
 from transformers import BertForQuestionAnswering
 
-from kfac_bench import torchfile
+from kfac_bench.checkpoint import torchfile
 from kfac_bench.data.squad import load_squad_tokenizer
 from kfac_bench.errors import ConfigError, UserError
 from kfac_bench.models.bert import bert_config, load_model_state

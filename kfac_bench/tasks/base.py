@@ -28,7 +28,7 @@ class Task(Protocol):
         ``save_outputs(run_dir: Path) -> None``, which the run calls once on rank 0 after training, before
         ``summary.json``, to write what its last evaluation produced (SQuAD writes ``predictions.json``);
         and ``metric_names``, the keys ``evaluate`` returns, so that a target on any other metric is
-        refused before the run starts (:func:`kfac_bench.train.preflight.check_targets`).
+        refused before the run starts (:func:`kfac_bench.launcher.preflight.check_targets`).
     """
 
     target_metric: str

@@ -3,8 +3,8 @@
 Targets (TPDS §6.3.2, KAISA Table 1): the paper's runs stop at the first per-epoch evaluation reaching
 **bbox mAP 0.377 and segm mAP 0.342** (:data:`PAPER_TARGETS`, MLPerf v0.6/v0.7's values). MLPerf's
 current Mask R-CNN rules use segm 0.339 (:data:`MLPERF_TARGETS`). The targets are a config value
-(``train.targets``); the run's one stop test, :class:`kfac_bench.metrics.tracker.TargetTracker`, needs every
-one of them met.
+(``train.targets``); the run's one stop test, :class:`kfac_bench.metrics.timekeeping.TargetTracker`,
+needs every one of them met.
 
 Batches are ``(images, targets)`` as built by :func:`kfac_bench.data.coco.collate_detection`.
 """
@@ -26,6 +26,7 @@ from pycocotools.cocoeval import COCOeval
 from torch import nn
 from torch.utils.data import Subset
 
+from kfac_bench.consensus import from_main
 from kfac_bench.data.coco import Target
 from kfac_bench.errors import ConfigError
 
@@ -142,16 +143,6 @@ def coco_map(coco_gt: COCO, per_image: Mapping[int, ImageResults]) -> dict[str, 
     return metrics
 
 
-def _broadcast_from_rank0(metrics: dict[str, float] | None) -> dict[str, float]:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        assert metrics is not None
-        return metrics
-    box = [metrics]
-    dist.broadcast_object_list(box, src=0)
-    assert box[0] is not None
-    return box[0]
-
-
 class DetectionTask:
     """Mask R-CNN training loss and COCO bbox/segm mAP evaluation (implements ``tasks.base.Task``).
 
@@ -236,4 +227,4 @@ class DetectionTask:
             module.train(was_training)
         merged = _gather_to_rank0(local)
         metrics = coco_map(source.coco, merged) if merged is not None else None
-        return _broadcast_from_rank0(metrics)
+        return from_main(metrics)

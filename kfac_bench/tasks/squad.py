@@ -31,7 +31,7 @@ from torch.utils.data import Subset
 
 from kfac_bench.data.squad import SquadFeatures
 from kfac_bench.errors import UserError
-from kfac_bench.metrics.squad_eval import squad_v11_scores
+from kfac_bench.tasks.squad_eval import squad_v11_scores
 
 __all__ = [
     "PREDICTIONS_FILE",

@@ -21,45 +21,31 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from kfac_bench.config.kfac_adapter import build_preconditioner
-from kfac_bench.config.schema import Precision
-from kfac_bench.data.base import DataSplits
-from kfac_bench.data.batching import BatchPlan, plan_batches
-from kfac_bench.data.loader import build_loaders
-from kfac_bench.errors import UserError
-from kfac_bench.metrics.mlperf import writes_log
-from kfac_bench.metrics.recorder import Recorder
-from kfac_bench.metrics.tracker import StageTimes, StepTimer, TargetTracker
-from kfac_bench.metrics.trackers import open_tracker
-from kfac_bench.train.checkpoint import (
+from kfac_bench.checkpoint.elastic import World, accumulation_for
+from kfac_bench.checkpoint.manager import (
     CHECKPOINT_DIR,
     CheckpointManager,
     PreconditionerState,
     RNGState,
 )
-from kfac_bench.train.distributed import DistEnv
-from kfac_bench.train.elastic import World, accumulation_for
+from kfac_bench.config.compose import instantiate
+from kfac_bench.config.kfac_adapter import build_preconditioner
+from kfac_bench.config.schema import Precision
+from kfac_bench.data.base import DataSplits
+from kfac_bench.data.batching import BatchPlan, plan_batches
+from kfac_bench.data.loader import build_loaders
+from kfac_bench.launcher.distributed import DistEnv
+from kfac_bench.launcher.signals import PreemptionFlag
+from kfac_bench.metrics.mlperf import writes_log
+from kfac_bench.metrics.recorder import Recorder
+from kfac_bench.metrics.timekeeping import StageTimes, StepTimer, TargetTracker
+from kfac_bench.metrics.trackers import open_tracker
 from kfac_bench.train.loop import Loop
 from kfac_bench.train.mlperf_facts import run_facts
 from kfac_bench.train.optim import base_lr, build_lr_scheduler, build_optimizer, lr_factor
-from kfac_bench.train.signals import PreemptionFlag
 from kfac_bench.train.state import TrainState
 
-__all__ = ["Run", "build_data", "build_run", "instantiate", "seed_everything"]
-
-
-def instantiate(cfg: Any, **kwargs: Any) -> Any:
-    """``hydra.utils.instantiate`` (containers as plain Python), re-raising a builder's
-    :class:`~kfac_bench.errors.UserError` as itself so the CLI reports it in one line."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate as hydra_instantiate
-
-    try:
-        return hydra_instantiate(cfg, _convert_="all", **kwargs)
-    except InstantiationException as exc:
-        if isinstance(exc.__cause__, UserError):
-            raise exc.__cause__ from None
-        raise
+__all__ = ["Run", "build_data", "build_run", "seed_everything"]
 
 
 def build_data(dataset_cfg: Any) -> DataSplits:
@@ -83,7 +69,7 @@ class Run:
 
     ``loop`` holds what the loop touches; ``checkpoints`` saves and restores the stateful parts;
     ``recorder`` writes the measurements; ``plan`` is the batch arithmetic of this job; ``world`` the world
-    the run started with (:mod:`kfac_bench.train.elastic`).
+    the run started with (:mod:`kfac_bench.checkpoint.elastic`).
     """
 
     loop: Loop
@@ -130,7 +116,7 @@ def build_run(
 
     ``starting_world_size`` (default: ``env``'s) is the world size the run started with: its global batch,
     steps per epoch and hyperparameters are that world's; ``env``'s ranks keep the global batch with more
-    or fewer accumulation steps (:mod:`kfac_bench.train.elastic`).
+    or fewer accumulation steps (:mod:`kfac_bench.checkpoint.elastic`).
 
     Raises:
         UserError: a builder's problem with the user's data or settings (one line).

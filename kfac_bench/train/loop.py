@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kfac_bench.checkpoint.manager import CheckpointManager, NonFiniteState
+from kfac_bench.launcher.signals import PreemptionFlag
 from kfac_bench.metrics.recorder import Recorder
-from kfac_bench.metrics.tracker import StepTimer, TargetTracker
-from kfac_bench.train.checkpoint import CheckpointManager, NonFiniteState
-from kfac_bench.train.signals import PreemptionFlag
+from kfac_bench.metrics.timekeeping import StepTimer, TargetTracker
 from kfac_bench.train.state import TrainState
 
 __all__ = ["Loop", "evaluate", "run_loop"]

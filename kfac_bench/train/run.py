@@ -10,14 +10,16 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from kfac_bench.checkpoint import elastic, warm_start
+from kfac_bench.checkpoint.manager import CHECKPOINT_DIR
+from kfac_bench.consensus import from_main
 from kfac_bench.data.loader import shutdown_workers
 from kfac_bench.errors import UserError
+from kfac_bench.launcher import distributed, rundir
+from kfac_bench.launcher.signals import EXIT_REQUEUE, PreemptionFlag
 from kfac_bench.metrics import summary
-from kfac_bench.train import distributed, elastic, rundir, warm_start
 from kfac_bench.train.build import Run, build_run, seed_everything
-from kfac_bench.train.checkpoint import CHECKPOINT_DIR
 from kfac_bench.train.loop import run_loop
-from kfac_bench.train.signals import EXIT_REQUEUE, PreemptionFlag
 
 __all__ = ["EXIT_CODES", "train"]
 
@@ -49,7 +51,7 @@ def train(cfg: DictConfig, run_dir: Path, run_dir_from_rank_0: bool = False) -> 
     try:
         distributed.setup(env, device)
         if run_dir_from_rank_0:
-            run_dir = Path(distributed.from_main(str(run_dir.resolve())))
+            run_dir = Path(from_main(str(run_dir.resolve())))
         owns_lock = _claim(cfg, run_dir, env)
         status = _train(cfg, run_dir, env, device, flag)
     finally:
@@ -74,7 +76,7 @@ def _claim(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv) -> bool:
             took = True
         except UserError as exc:
             error = str(exc)
-    error = distributed.from_main(error)
+    error = from_main(error)
     if error is not None:
         raise UserError(error)
     return took
@@ -91,7 +93,7 @@ def _train(
     if init_from is not None and not (run_dir / CHECKPOINT_DIR).is_dir():
         warm_start.locate(init_from)  # a wrong path stops the run before anything is built
     # The world the run started with (world.json) when it resumes, this job's when it starts.
-    starting = distributed.from_main(
+    starting = from_main(
         elastic.starting_world(run_dir, bool(cfg.train.resume), env.world_size)
         if env.is_main
         else None

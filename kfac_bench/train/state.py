@@ -1,5 +1,5 @@
 """Where a run is: epoch, step, examples seen and its clocks; a checkpoint part (see
-:mod:`kfac_bench.train.checkpoint`)."""
+:mod:`kfac_bench.checkpoint.manager`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kfac_bench.errors import ConfigError
-from kfac_bench.metrics.tracker import Clock, Throughput
+from kfac_bench.metrics.timekeeping import Clock, Throughput
 
 __all__ = ["TrainState"]
 
@@ -30,7 +30,7 @@ class TrainState:
         world_size: ranks of this process's job (for ``micro_in_epoch`` on resume).
         batch_size: examples per micro-batch on one rank (``train.batch_size``).
         global_batch: examples per optimizer step over all ranks: a property of the run, which a resume on
-            another number of ranks keeps (:mod:`kfac_bench.train.elastic`); 0: not known.
+            another number of ranks keeps (:mod:`kfac_bench.checkpoint.elastic`); 0: not known.
         reference_world_size: the ranks the run started with, whose hyperparameters it keeps.
         saved_world_size: after :meth:`load_state_dict`, the ranks that wrote the checkpoint.
     """

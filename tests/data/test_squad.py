@@ -24,7 +24,7 @@ from kfac_bench.data.squad import (
 )
 from kfac_bench.data.squad_smoke import MARKER, build_squad_pydoc, write_pydoc_squad
 from kfac_bench.errors import ConfigError, DatasetError
-from kfac_bench.metrics.squad_eval import normalize_answer
+from kfac_bench.tasks.squad_eval import normalize_answer
 from tests.data.squad_fixtures import (
     Smoke,
     make_smoke,

@@ -14,7 +14,7 @@ import yaml
 
 from kfac_bench.cli import main
 from kfac_bench.errors import ConfigError
-from kfac_bench.train.agent import _preflight
+from kfac_bench.launcher.agent import _preflight
 from tests.harness.fault_util import sbatch, slurm_env, summary
 from tests.harness.util import TINY_SETTINGS, user_config_dir
 from tests.limits import hang_limit

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kfac_bench.train.signals import EXIT_REQUEUE
+from kfac_bench.launcher.signals import EXIT_REQUEUE
 from tests.harness.cli_process import Running, start_cli_process
 from tests.harness.util import TINY, cli_env, console_script, run_cli
 from tests.limits import hang_limit

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from kfac_bench.train import rundir
+from kfac_bench.launcher import rundir
 from tests.harness.fault_util import one_error_line, processes_mentioning, start
 from tests.harness.util import TINY
 from tests.limits import hang_limit

@@ -15,7 +15,7 @@ from kfac_bench import cli
 from kfac_bench.config import schema
 from kfac_bench.config.bounds import Bounds, bounds_of
 from kfac_bench.config.compose import compose_run
-from kfac_bench.train.preflight import check_run
+from kfac_bench.launcher.preflight import check_run
 from tests.harness.util import TINY, cli_env, run_cli
 from tests.limits import hang_limit
 
@@ -152,7 +152,7 @@ def test_the_launch_scripts_agent_checks_before_starting_ranks(tmp_path: Path) -
         [
             sys.executable,
             "-m",
-            "kfac_bench.train.agent",
+            "kfac_bench.launcher.agent",
             "--standalone",
             "--nproc-per-node=2",
             "-m",

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from kfac_bench.train.checkpoint import CHECKPOINT_DIR
-from kfac_bench.train.elastic import WORLD_FILE
+from kfac_bench.checkpoint.elastic import WORLD_FILE
+from kfac_bench.checkpoint.manager import CHECKPOINT_DIR
 from tests.harness.fault_util import one_error_line, records, run, summary
 from tests.harness.util import TINY
 from tests.metrics.mlperf_checker import check, events

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kfac_bench.train.checkpoint import CHECKPOINT_DIR, CheckpointManager
-from kfac_bench.train.rundir import PREEMPTED_FILE
+from kfac_bench.checkpoint.manager import CHECKPOINT_DIR, CheckpointManager
+from kfac_bench.launcher.rundir import PREEMPTED_FILE
 from tests.harness.fault_util import (
     eval_steps,
     fault,

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from kfac_bench import cli
+from kfac_bench.checkpoint.manager import CHECKPOINT_DIR, CheckpointManager
 from kfac_bench.config.compose import compose_run
-from kfac_bench.train import rundir
-from kfac_bench.train.checkpoint import CHECKPOINT_DIR, CheckpointManager
+from kfac_bench.launcher import rundir
 from tests.harness.fault_util import (
     eval_steps,
     fault,

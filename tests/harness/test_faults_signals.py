@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kfac_bench.train.rundir import PREEMPTED_FILE
+from kfac_bench.launcher.rundir import PREEMPTED_FILE
 from tests.harness.fault_util import eval_steps, run, start, summary, wait_for_records
 from tests.harness.util import TINY
 from tests.limits import hang_limit
@@ -53,6 +53,6 @@ def test_a_signal_to_the_process_group_checkpoints_and_exits_75(
 
 
 def _children(pid: int) -> list[int]:
-    from kfac_bench.train.agent import child_pids
+    from kfac_bench.launcher.agent import child_pids
 
     return child_pids(pid)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kfac_bench.train.checkpoint import CHECKPOINT_DIR, CheckpointManager
-from kfac_bench.train.rundir import PREEMPTED_FILE
+from kfac_bench.checkpoint.manager import CHECKPOINT_DIR, CheckpointManager
+from kfac_bench.launcher.rundir import PREEMPTED_FILE
 from tests.harness.fault_util import (
     eval_steps,
     fault,
@@ -48,7 +48,9 @@ def test_a_long_node_list_does_not_end_the_script_and_paths_and_setup_are_explic
     assert proc.returncode == 0, err
     args = (tmp_path / "srun.args").read_text().splitlines()
     assert f"--rdzv-endpoint=node000000:{e['RDZV_PORT']}" in args
-    assert "--nproc-per-node=2" in args and args[args.index("-m") + 1] == "kfac_bench.train.agent"
+    assert (
+        "--nproc-per-node=2" in args and args[args.index("-m") + 1] == "kfac_bench.launcher.agent"
+    )
     assert f"hydra.run.dir='{tmp_path}/rel/dir'" in args  # under the submit dir, not the cwd
     assert "setup=yes" in args and not _requeues(tmp_path)
 

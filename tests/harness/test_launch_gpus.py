@@ -15,8 +15,8 @@ import torch
 
 from kfac_bench.config.compose import compose_run
 from kfac_bench.errors import ConfigError, UserError
-from kfac_bench.train.agent import world_size_of
-from kfac_bench.train.preflight import check_run
+from kfac_bench.launcher.agent import world_size_of
+from kfac_bench.launcher.preflight import check_run
 from tests.harness.fault_util import one_error_line, sbatch, slurm_env
 from tests.harness.test_bert_chain import _chain, _options
 from tests.harness.util import REPO, TINY, cli_env, run_cli

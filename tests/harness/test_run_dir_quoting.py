@@ -14,8 +14,8 @@ import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from kfac_bench.train.agent import run_dir_of
-from kfac_bench.train.launch import hydra_quote, run_dir_override
+from kfac_bench.launcher.agent import run_dir_of
+from kfac_bench.launcher.torchrun import hydra_quote, run_dir_override
 from tests.harness.fault_util import env, one_error_line, run, shim
 from tests.harness.util import REPO, TINY_SETTINGS, user_config_dir
 from tests.limits import hang_limit
@@ -51,7 +51,7 @@ def test_an_unquoted_path_hydra_cannot_read_is_one_line(arg: str) -> None:
         [
             sys.executable,
             "-m",
-            "kfac_bench.train.agent",
+            "kfac_bench.launcher.agent",
             "--standalone",
             "-m",
             "kfac_bench.cli",
@@ -68,14 +68,14 @@ def test_an_unquoted_path_hydra_cannot_read_is_one_line(arg: str) -> None:
 
 
 def _agent_args(script: str, tmp_path: Path, extra_env: dict[str, str]) -> list[str]:
-    """The arguments ``launch/SCRIPT`` gives ``python -m kfac_bench.train.agent`` (a PYTHON shim records
+    """The arguments ``launch/SCRIPT`` gives ``python -m kfac_bench.launcher.agent`` (a PYTHON shim records
     them; any other python call runs the real interpreter)."""
     log = tmp_path / "agent_args"
     python = tmp_path / "bin" / "python"
     python.parent.mkdir(exist_ok=True)
     shim(
         python,
-        f'if [ "$2" = kfac_bench.train.agent ]; then printf "%s\\0" "$@" > {log}; exit 0; fi\n'
+        f'if [ "$2" = kfac_bench.launcher.agent ]; then printf "%s\\0" "$@" > {log}; exit 0; fi\n'
         f'exec {sys.executable} "$@"\n',
     )
     e = env(PYTHON=str(python), **extra_env)

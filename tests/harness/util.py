@@ -9,7 +9,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from kfac_bench.config.compose import compose_run
-from kfac_bench.train.launch import outside_job_env
+from kfac_bench.launcher.torchrun import outside_job_env
 from tests.limits import hang_limit
 
 #: A digits run of 2 epochs x 6 steps on an 8-channel CNN, single thread (the machine is shared).

@@ -8,7 +8,7 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from kfac_bench.metrics.sinks import JsonlSink, TensorBoardSink, read_jsonl
-from kfac_bench.metrics.tracker import TargetTracker
+from kfac_bench.metrics.timekeeping import TargetTracker
 from kfac_bench.train.run import train
 from tests.harness.util import tiny_cfg
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from kfac_bench.errors import ConfigError
+from kfac_bench.launcher.preflight import check_tracker
 from kfac_bench.metrics.sinks import read_jsonl
-from kfac_bench.train.preflight import check_tracker
 from kfac_bench.train.run import train
 from tests.harness.util import tiny_cfg
 

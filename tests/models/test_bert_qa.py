@@ -39,7 +39,7 @@ def test_encoder_comes_from_a_plain_state_dict(tmp_path: Path, pretrained) -> No
 
 
 def test_encoder_comes_from_a_harness_checkpoint(tmp_path: Path, pretrained) -> None:  # type: ignore[no-untyped-def]
-    # kfac_bench.train.checkpoint saves {"model": state_dict, ...}; a DDP model's keys carry "module.".
+    # kfac_bench.checkpoint.manager saves {"model": state_dict, ...}; a DDP model's keys carry "module.".
     path = tmp_path / "last.pt"
     torch.save({"model": {f"module.{k}": v for k, v in pretrained.items()}, "step": 7}, path)
     model = build_bert_qa("tiny", vocab_size=VOCAB, init_checkpoint=str(path))

@@ -19,6 +19,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from kfac_bench.checkpoint.warm_start import locate
 from kfac_bench.cli import main as cli_main
 from kfac_bench.config.compose import compose_run
 from kfac_bench.config.kfac_adapter import build_preconditioner
@@ -30,7 +31,6 @@ from kfac_bench.errors import ConfigError
 from kfac_bench.models.bert import BERT_KFAC_SKIP_LAYERS, build_bert, load_model_state
 from kfac_bench.train.build import build_data, instantiate
 from kfac_bench.train.optim import lr_factor
-from kfac_bench.train.warm_start import locate
 from tests.harness.util import run_cli
 from tests.metrics.mlperf_checker import check as mlperf_check
 from tests.metrics.mlperf_checker import events

@@ -21,11 +21,10 @@ import torch
 from omegaconf import OmegaConf
 
 from kfac_bench.cli import main as cli_main
-from kfac_bench.config.compose import compose_run
+from kfac_bench.config.compose import compose_run, instantiate
 from kfac_bench.errors import ConfigError
 from kfac_bench.models.bert import load_model_state
 from kfac_bench.models.bert_qa import build_bert_qa
-from kfac_bench.train.build import instantiate
 from kfac_bench.train.optim import lr_factor
 from tests.harness.util import run_cli
 from tests.recipes.bert_smoke import PHASE1

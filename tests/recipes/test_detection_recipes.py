@@ -24,7 +24,7 @@ from kfac_bench.config.store import recipe_names
 from kfac_bench.data.batching import accumulation_steps
 from kfac_bench.data.coco_fixtures import write_tiny_coco
 from kfac_bench.errors import ConfigError
-from kfac_bench.metrics.tracker import TargetTracker
+from kfac_bench.metrics.timekeeping import TargetTracker
 from kfac_bench.models.maskrcnn import build_maskrcnn
 from kfac_bench.train.build import build_data, instantiate
 from kfac_bench.train.optim import build_lr_scheduler, lr_factor

@@ -18,7 +18,7 @@ from kfac_bench.data.coco import CocoInstances, coco_split, collate_detection
 from kfac_bench.data.coco_fixtures import write_tiny_coco
 from kfac_bench.data.loader import ShardSampler
 from kfac_bench.errors import ConfigError
-from kfac_bench.metrics.tracker import TargetTracker
+from kfac_bench.metrics.timekeeping import TargetTracker
 from kfac_bench.models.maskrcnn import build_maskrcnn
 from kfac_bench.tasks.base import Task
 from kfac_bench.tasks.detection import MLPERF_TARGETS, PAPER_TARGETS, DetectionTask

@@ -15,8 +15,6 @@ from torch.utils.data import DataLoader
 from kfac_bench.data.loader import ShardSampler
 from kfac_bench.data.squad import SquadFeatures, load_squad_tokenizer, read_squad, squad_collate
 from kfac_bench.errors import UserError
-from kfac_bench.metrics.squad_eval import main as squad_eval_main
-from kfac_bench.metrics.squad_eval import squad_v11_scores
 from kfac_bench.models.bert_qa import build_bert_qa
 from kfac_bench.tasks.base import Task
 from kfac_bench.tasks.squad import (
@@ -26,6 +24,8 @@ from kfac_bench.tasks.squad import (
     build_squad_task,
     postprocess,
 )
+from kfac_bench.tasks.squad_eval import main as squad_eval_main
+from kfac_bench.tasks.squad_eval import squad_v11_scores
 from tests.data.squad_fixtures import (
     Smoke,
     make_smoke,

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
+from kfac_bench.checkpoint import files
+from kfac_bench.checkpoint.manager import CheckpointManager, NonFiniteState
 from kfac_bench.errors import UserError
 from kfac_bench.metrics.sinks import JsonlSink
 from kfac_bench.metrics.summary import write_summary
 from kfac_bench.models.small_cnn import SmallCNN
-from kfac_bench.train import checkpoint_files as files
-from kfac_bench.train.checkpoint import CheckpointManager, NonFiniteState
 from kfac_bench.train.run import train
 from tests.harness.fault_util import one_error_line, run
 from tests.harness.util import TINY, tiny_cfg

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kfac_bench.checkpoint.manager import CHECKPOINT_DIR, CheckpointManager
 from kfac_bench.metrics.sinks import read_jsonl
-from kfac_bench.train.checkpoint import CHECKPOINT_DIR, CheckpointManager
 from kfac_bench.train.run import train
 from tests.harness.util import tiny_cfg
 

@@ -13,7 +13,7 @@ import torch
 
 from kfac_bench.cli import main as cli_main
 from kfac_bench.metrics.mlperf import MLPERF_FILE
-from kfac_bench.metrics.tracker import StepTimer, percentile
+from kfac_bench.metrics.timekeeping import StepTimer, percentile
 from kfac_bench.train.run import train
 from tests.harness.util import tiny_cfg
 
@@ -69,7 +69,7 @@ def test_the_benchmark_line_names_the_numbers(
 def test_step_timer_excludes_the_warm_up() -> None:
     timer = StepTimer(warmup=2)
     clock = iter([0.0, 5.0, 9.0, 10.0, 10.5, 12.5])
-    import kfac_bench.metrics.tracker as tracker
+    import kfac_bench.metrics.timekeeping as tracker
 
     real = tracker.time.perf_counter
     tracker.time.perf_counter = lambda: next(clock)  # type: ignore[assignment]

@@ -1,0 +1,308 @@
+"""Checkpoint files on disk: written with a manifest, verified before they are trusted, the newest K kept.
+
+Layout of ``<run dir>/checkpoints/``::
+
+    step-00000440.pt      torch.save of one checkpoint, taken after optimizer step 440
+    step-00000440.json    its manifest, written after the file: {"file", "step", "seq", "bytes", "sha256"}
+    last.pt               the newest checkpoint (a hard link to its step file, else a symlink), for tools
+                          that take a path (BERT phase 2's ``model.init_checkpoint``)
+
+A checkpoint is *good* when its file has the size and SHA-256 its manifest records and
+:func:`kfac_bench.checkpoint.torchfile.load` reads it as data (tensors and plain containers: a file whose
+pickle names code is refused, never loaded). Checkpoints are ordered by ``seq`` (a save counter), not by step,
+so a run restarted from an older checkpoint never mistakes an abandoned later one for its newest. Each write
+goes to a temporary file in the same folder, is fsynced and renamed; the manifest follows the same way; only
+then are checkpoints beyond the newest K deleted, so a failed write (disk full, read-only folder) leaves every
+earlier checkpoint intact. A folder from before manifests (a lone ``last.pt``) is read as one unverified
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kfac_bench.checkpoint import torchfile
+from kfac_bench.errors import UserError
+
+__all__ = [
+    "LAST",
+    "Candidate",
+    "NoGoodCheckpoint",
+    "candidates",
+    "load_newest_good",
+    "quarantine",
+    "remove_orphans",
+    "write_checkpoint",
+]
+
+LAST = "last.pt"
+_STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
+_CHUNK = 1 << 20
+
+
+class NoGoodCheckpoint(UserError):
+    """Checkpoints exist but none passes verification (one line naming the files)."""
+
+
+@dataclass
+class Candidate:
+    """A checkpoint file and what its manifest promises (``manifest`` None: a legacy ``last.pt``)."""
+
+    path: Path
+    manifest: dict[str, Any] | None
+    seq: int
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path.with_suffix(".json")
+
+
+def _read_manifest(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    keys = {"file", "step", "seq", "bytes", "sha256"}
+    return data if isinstance(data, dict) and keys <= set(data) else None
+
+
+def candidates(folder: Path) -> tuple[list[Candidate], list[Path]]:
+    """(checkpoints with a manifest, newest first; manifests that cannot be read).
+
+    Without any manifest, a regular ``last.pt`` is the one (legacy, unverified) candidate.
+    """
+    found, unreadable = [], []
+    for manifest_path in sorted(Path(folder).glob("step-*.json")):
+        manifest = _read_manifest(manifest_path)
+        if manifest is None:
+            unreadable.append(manifest_path)
+            continue
+        found.append(Candidate(manifest_path.with_suffix(".pt"), manifest, int(manifest["seq"])))
+    found.sort(key=lambda c: c.seq, reverse=True)
+    last = Path(folder) / LAST
+    if not found and not unreadable and last.is_file() and not last.is_symlink():
+        found.append(Candidate(last, None, 0))
+    return found, unreadable
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _problem(candidate: Candidate) -> str | None:
+    """Why ``candidate`` cannot be trusted, or None."""
+    path, manifest = candidate.path, candidate.manifest
+    if manifest is None:
+        return None
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "its file is missing"
+    if size != manifest["bytes"]:
+        return f"{size} bytes, its manifest says {manifest['bytes']}"
+    if _sha256(path) != manifest["sha256"]:
+        return "checksum differs from its manifest"
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def load_newest_good(
+    folder: Path,
+) -> tuple[dict[str, Any], Candidate, list[tuple[Candidate, str]]] | None:
+    """The newest good checkpoint as saved (tensors on the CPU), its candidate and the newer bad ones
+    with the reason each was rejected; None if the folder holds no checkpoint at all.
+
+    Raises:
+        NoGoodCheckpoint: checkpoints exist but none is good.
+        torchfile.RefusedFile: the newest checkpoint that passes its manifest's checks is a pickle that
+            names code (planted, or another program's), or one of an older kfac-bench: nothing is loaded.
+    """
+    found, unreadable = candidates(folder)
+    rejected = [
+        (Candidate(p.with_suffix(".pt"), None, -1), "unreadable manifest") for p in unreadable
+    ]
+    for candidate in found:
+        problem = _problem(candidate)
+        if problem is None:
+            try:
+                # Data only: a file whose pickle names code raises RefusedFile, which stops the run
+                # here (never set aside and never skipped for an older one: it may be hostile).
+                payload = torchfile.load(candidate.path)
+            except torchfile.UnreadableFile as exc:  # corruption that passed the checks (or legacy)
+                problem = f"unreadable: {exc.reason}"
+            except OSError as exc:
+                problem = f"unreadable: {_first_line(exc)}"
+            else:
+                if isinstance(payload, dict):
+                    return payload, candidate, rejected
+                problem = f"holds a {type(payload).__name__}, not a checkpoint"
+        rejected.append((candidate, problem))
+    if not rejected:
+        return None
+    listed = "; ".join(f"{c.path} ({why})" for c, why in rejected)
+    raise NoGoodCheckpoint(
+        f"no usable checkpoint to resume from: {listed}. Restore a good copy, or move the "
+        f"checkpoints away to start the run over"
+    )
+
+
+def quarantine(rejected: list[tuple[Candidate, str]]) -> list[Path]:
+    """Rename rejected checkpoints and manifests to ``*.corrupt`` (kept for inspection, never loaded)."""
+    moved = []
+    for candidate, _ in rejected:
+        for path in (candidate.path, candidate.manifest_path):
+            if path.name != LAST and path.exists():
+                target = path.with_name(path.name + ".corrupt")
+                os.replace(path, target)
+                moved.append(target)
+    return moved
+
+
+def remove_orphans(folder: Path) -> list[Path]:
+    """Delete temporary files a killed writer left behind (``.*.tmp``); only the run's owner calls it."""
+    removed = []
+    for path in Path(folder).glob(".*.tmp"):
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+class _HashingWriter(io.RawIOBase):
+    """A write-only file that hashes and counts what passes through (``torch.save`` writes sequentially)
+    and remembers the first OSError, which ``torch.save`` would otherwise wrap in a RuntimeError."""
+
+    def __init__(self, f: io.BufferedWriter) -> None:
+        self.f, self.digest, self.size = f, hashlib.sha256(), 0
+        self.error: OSError | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        try:
+            written = self.f.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+        self.digest.update(data)
+        self.size += len(data)
+        return written
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a directory
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("w") as f:
+            f.write(json.dumps(data, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _point_last(folder: Path, target: Path) -> None:
+    """Make ``last.pt`` the file ``target`` (hard link; a relative symlink where links are refused)."""
+    tmp = folder / f".{LAST}.{os.getpid()}.tmp"
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(target, tmp)
+    except OSError:
+        os.symlink(target.name, tmp)
+    os.replace(tmp, folder / LAST)
+
+
+def _prune(folder: Path, keep: int) -> None:
+    found, _ = candidates(folder)
+    kept = {c.path.name for c in [c for c in found if c.manifest is not None][:keep]}
+    for candidate in found:
+        if candidate.manifest is not None and candidate.path.name not in kept:
+            candidate.manifest_path.unlink(missing_ok=True)
+            candidate.path.unlink(missing_ok=True)
+    for path in folder.glob("step-*.pt"):  # files whose manifest never got written
+        if _STEP_FILE.match(path.name) and path.name not in kept:
+            path.unlink(missing_ok=True)
+
+
+def write_checkpoint(folder: Path, payload: dict[str, Any], step: int, keep: int) -> Path:
+    """Write ``payload`` as the newest checkpoint of ``folder`` and keep the newest ``keep``.
+
+    Raises:
+        UserError: the folder cannot take the file (disk full, quota, read-only, permissions): one line;
+            every earlier checkpoint is left as it was.
+    """
+    folder = Path(folder)
+    path = folder / f"step-{step:08d}.pt"
+    tmp = folder / f".{path.name}.{os.getpid()}.tmp"
+    writer: _HashingWriter | None = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        remove_orphans(folder)
+        found, _ = candidates(folder)
+        seq = max((c.seq for c in found), default=0) + 1
+        with tmp.open("wb") as f:
+            writer = _HashingWriter(f)
+            torch.save(payload, writer)  # type: ignore[arg-type]
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        manifest = {
+            "file": path.name,
+            "step": step,
+            "seq": seq,
+            "bytes": writer.size,
+            "sha256": writer.digest.hexdigest(),
+        }
+        _write_json(path.with_suffix(".json"), manifest)
+        _point_last(folder, path)
+        _fsync_dir(folder)
+    except OSError as exc:
+        raise _write_error(path, exc) from None
+    except Exception:
+        if writer is not None and writer.error is not None:
+            raise _write_error(path, writer.error) from None
+        raise
+    finally:
+        tmp.unlink(missing_ok=True)
+    _prune(folder, keep)
+    return path
+
+
+def _write_error(path: Path, exc: OSError) -> UserError:
+    code = errno.errorcode.get(exc.errno or 0, "")
+    reason = f"{exc.strerror or exc}" + (f" ({code})" if code else "")
+    return UserError(
+        f"cannot write checkpoint {path}: {reason}; the earlier checkpoints in {path.parent} are intact. "
+        "Free space (or make the run dir writable) and run the same command again to resume"
+    )

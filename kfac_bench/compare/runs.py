@@ -1,0 +1,311 @@
+"""Reading run directories for ``kfac-bench compare``, including the files a crashed run leaves behind.
+
+A run directory holds ``summary.json`` (written when the run ends), ``eval.jsonl`` (one line per
+evaluation, appended as the run goes) and ``config.yaml`` (the composed config, written when the run is
+claimed: ``kfac_bench/launcher/rundir.py``). A run killed mid-write leaves a last line cut off in
+``eval.jsonl``; a run that never ended has no ``summary.json``, and a copied or half-synced one may have an
+empty or truncated one. Such a run is still compared with what is readable: each unreadable file gives one
+warning line, and a missing summary is rebuilt from the evaluation records and the recorded config (its
+status is ``no summary``; what only the summary knows, such as step times, stays empty). A summary with a
+field of the wrong type (edited by hand, or written by another tool) leaves its run out with one warning
+naming the file and the field; an evaluation record with one counts as an unreadable line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kfac_bench.errors import UserError
+from kfac_bench.metrics.sinks import EVAL_FILE
+from kfac_bench.metrics.summary import SUMMARY_FILE
+
+__all__ = [
+    "CONFIG_FILE",
+    "NO_SUMMARY",
+    "RunRecord",
+    "bad_field",
+    "read_run",
+    "rebuilt_summary",
+    "run_dirs",
+    "warn",
+]
+
+#: The composed config a run records when it starts (``kfac_bench/launcher/rundir.py`` ``CONFIG_FILE``);
+#: Hydra's copy under ``.hydra/`` is the fallback.
+CONFIG_FILE = "config.yaml"
+#: The status of a run read without a usable ``summary.json``.
+NO_SUMMARY = "no summary"
+
+
+@dataclass
+class RunRecord:
+    """One run directory: its label, summary and evaluation records.
+
+    Attributes:
+        label: what the comparison calls it (set by :func:`kfac_bench.compare.arms.label_runs`).
+        summary: ``summary.json``, or the summary rebuilt from the records and config when it is unusable.
+        evals: the readable records of ``eval.jsonl``, in file order.
+        notes: one line per file that could not be read whole.
+    """
+
+    label: str
+    path: Path
+    summary: dict[str, Any]
+    evals: list[dict[str, Any]]
+    notes: list[str] = field(default_factory=list)
+
+
+def warn(line: str) -> None:
+    """Print one warning line to stderr."""
+    print(f"kfac-bench: warning: {line}", file=sys.stderr, flush=True)
+
+
+def _natural(path: Path) -> list[Any]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(path))]
+
+
+def _is_run(path: Path) -> bool:
+    return (path / SUMMARY_FILE).is_file() or (path / EVAL_FILE).is_file()
+
+
+def run_dirs(paths: Sequence[str | Path]) -> list[Path]:
+    """Run directories under ``paths`` in the given order; a folder that is not a run itself (a Hydra
+    multirun folder) contributes every run below it, in natural order (job 2 before job 10). A directory
+    with ``eval.jsonl`` but no ``summary.json`` (a run that did not end) counts.
+
+    Raises:
+        UserError: a path does not exist or holds no run.
+    """
+    dirs: list[Path] = []
+    for given in paths:
+        root = Path(given)
+        if not root.exists():
+            raise UserError(f"run directory '{root}' does not exist")
+        if _is_run(root):
+            dirs.append(root)
+            continue
+        found = {p.parent for name in (SUMMARY_FILE, EVAL_FILE) for p in root.rglob(name)}
+        if not found:
+            raise UserError(
+                f"no run under '{root}': expected {SUMMARY_FILE} (written when a run ends) or {EVAL_FILE}"
+            )
+        dirs += sorted(found, key=_natural)
+    return dirs
+
+
+def _read_evals(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """(the readable records, how many non-empty lines were not) of a JSON-lines file."""
+    if not path.is_file():
+        return [], 0
+    records, bad = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        clean = _clean_record(record)
+        if clean is not None:
+            records.append(clean)
+        else:
+            bad += 1
+    return records, bad
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _read_config(run_dir: Path) -> dict[str, Any]:
+    import yaml
+
+    for path in (run_dir / CONFIG_FILE, run_dir / ".hydra" / "config.yaml"):
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(data, dict):
+            return data
+    return {}
+
+
+#: Non-finite numbers as JSON text writers spell them (``summary.json`` may hold them as strings).
+_NON_FINITE = {"NaN": math.nan, "nan": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_NUMBER = "a number"
+#: What ``kfac-bench compare`` reads of a summary, and the type each must have (None is always allowed).
+_SUMMARY_TYPES: dict[str, str] = {
+    "status": "a string",
+    "target_metric": "a string",
+    "targets": "a mapping",
+    "target_value": _NUMBER,
+    "higher_is_better": "true or false",
+    "reached_target": "true or false",
+    "kfac_enabled": "true or false",
+    "time_to_target_s": _NUMBER,
+    "epochs_to_target": _NUMBER,
+    "mean_step_time_s": _NUMBER,
+    "kfac_time_fraction": _NUMBER,
+    "best_metric": _NUMBER,
+    "samples_per_s": _NUMBER,
+    "final_metrics": "a mapping",
+    "config": "a mapping",
+}
+#: Config sections the comparison reads (``config.<section>``), each a mapping when present.
+_CONFIG_SECTIONS = ("optimizer", "kfac", "train", "task", "model", "dataset")
+_RECORD_NUMBERS = ("step", "epoch", "wall_time_s")
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a number (a non-finite one may be spelled as a string), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    return _NON_FINITE.get(value) if isinstance(value, str) else None
+
+
+def _fits(value: Any, kind: str) -> bool:
+    if value is None:
+        return True
+    if kind == _NUMBER:
+        return _number(value) is not None
+    if kind == "a string":
+        return isinstance(value, str)
+    if kind == "a mapping":
+        return isinstance(value, dict)
+    return isinstance(value, bool)
+
+
+def bad_field(summary: dict[str, Any]) -> str | None:
+    """The first field of ``summary`` that ``compare`` reads and that has the wrong type, as
+    ``"field (must be ..., is ...)"``; None when all fit. Non-finite numbers spelled as strings are turned
+    into floats in place."""
+    for key, kind in _SUMMARY_TYPES.items():
+        value = summary.get(key)
+        if not _fits(value, kind):
+            return f"'{key}' (must be {kind}, is {json.dumps(value)[:40]})"
+        if kind == _NUMBER and isinstance(value, str):
+            summary[key] = _number(value)
+    for key in ("targets", "final_metrics"):
+        for name, value in (summary.get(key) or {}).items():
+            if not _fits(value, _NUMBER):
+                return f"'{key}.{name}' (must be a number, is {json.dumps(value)[:40]})"
+    config = summary.get("config") or {}
+    for section in _CONFIG_SECTIONS:
+        if not _fits(config.get(section), "a mapping"):
+            return f"'config.{section}' (must be a mapping, is {json.dumps(config[section])[:40]})"
+    return None
+
+
+def _clean_record(record: Any) -> dict[str, Any] | None:
+    """An evaluation record with its numbers as numbers (non-finite ones may be strings), or None if a
+    field compare reads has the wrong type."""
+    if not isinstance(record, dict) or not isinstance(record.get("metrics"), dict):
+        return None
+    if any(_number(record.get(k)) is None for k in _RECORD_NUMBERS):
+        return None
+    if not all(_fits(v, _NUMBER) for v in record["metrics"].values()):
+        return None
+    metrics = {k: v if v is None else _number(v) for k, v in record["metrics"].items()}
+    return {**record, "metrics": metrics}
+
+
+def _met(value: Any, target: float, higher: bool) -> bool:
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return value >= target if higher else value <= target
+
+
+def rebuilt_summary(config: dict[str, Any], evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """The parts of a run's summary that its config and evaluation records determine (as
+    :func:`kfac_bench.metrics.summary.run_summary` defines them); the rest is None.
+
+    A run meets its targets at the first record where every target is met; lower-is-better metrics are
+    not known without the task, so targets are read as higher-is-better.
+    """
+    train = config.get("train") or {}
+    targets = {str(k): float(v) for k, v in (train.get("targets") or {}).items()}
+    metric = (config.get("task") or {}).get("target_metric") or next(iter(targets), None)
+    reached = next(
+        (
+            r
+            for r in evals
+            if targets and all(_met(r["metrics"].get(k), v, True) for k, v in targets.items())
+        ),
+        None,
+    )
+    values = [
+        r["metrics"][metric] for r in evals if isinstance(r["metrics"].get(metric), (int, float))
+    ]
+    last = evals[-1] if evals else {}
+    return {
+        "name": config.get("name"),
+        "status": NO_SUMMARY,
+        "target_metric": metric,
+        "targets": targets,
+        "target_value": targets.get(metric) if metric else None,
+        "higher_is_better": True,
+        "reached_target": reached is not None,
+        "time_to_target_s": reached["wall_time_s"] if reached else None,
+        "train_time_to_target_s": reached.get("train_time_s") if reached else None,
+        "epochs_to_target": reached["epoch"] if reached else None,
+        "steps_to_target": reached["step"] if reached else None,
+        "best_metric": max(values) if values else None,
+        "final_metrics": last.get("metrics"),
+        "epochs": last.get("epoch"),
+        "mean_step_time_s": None,
+        "samples_per_s": None,
+        "kfac_enabled": bool((config.get("kfac") or {}).get("enabled", False)),
+        "kfac_time_fraction": None,
+        "config": config,
+    }
+
+
+def read_run(run_dir: Path, on_warning: Callable[[str], None] = warn) -> RunRecord | None:
+    """The run in ``run_dir``, read with whatever is readable; None (after a warning) if nothing is.
+
+    ``on_warning`` gets one line per file that is cut off, empty or missing.
+    """
+    run_dir = Path(run_dir)
+    evals, bad = _read_evals(run_dir / EVAL_FILE)
+    notes = []
+    if bad:
+        notes.append(
+            f"{run_dir / EVAL_FILE}: {bad} unreadable line(s) skipped (cut off by a crash?); "
+            f"compared with its {len(evals)} readable record(s)"
+        )
+    summary = _read_json(run_dir / SUMMARY_FILE)
+    wrong = bad_field(summary) if summary is not None else None
+    if wrong is not None:
+        on_warning(
+            f"{run_dir / SUMMARY_FILE}: field {wrong}; left out (fix or remove the field, or delete "
+            f"the file to compare from {EVAL_FILE})"
+        )
+        return None
+    if summary is None:
+        config = _read_config(run_dir)
+        if not evals and not config:
+            on_warning(f"{run_dir}: no readable {SUMMARY_FILE}, {EVAL_FILE} or config; left out")
+            return None
+        state = "missing" if not (run_dir / SUMMARY_FILE).is_file() else "empty or cut off"
+        notes.append(
+            f"{run_dir / SUMMARY_FILE} is {state} (the run did not end cleanly); compared from "
+            f"{EVAL_FILE} and the recorded config"
+        )
+        summary = rebuilt_summary(config, evals)
+    for note in notes:
+        on_warning(note)
+    return RunRecord(run_dir.name, run_dir, summary, evals, notes)

@@ -1,0 +1,106 @@
+"""``launcher=torchrun``: start the run's ranks on this machine through ``torch.distributed.run``.
+
+The parent process (the Hydra job) owns the run directory (it holds its lock,
+:mod:`kfac_bench.launcher.rundir`); it re-invokes ``kfac-bench train`` with the same overrides in every rank,
+pointed at that directory (``hydra.run.dir``), so all ranks share one run and a restarted rank
+(``--max-restarts``) resumes from its checkpoint. Preemption signals reach the ranks through
+:mod:`kfac_bench.launcher.agent`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from kfac_bench.config import hydra_quote
+
+__all__ = [
+    "JOB_ENV_KEYS",
+    "hydra_quote",
+    "inside_launched_worker",
+    "launch_torchrun",
+    "outside_job_env",
+    "run_dir_override",
+    "torchrun_args",
+]
+
+#: The variables by which a process knows it is a rank of a torchrun or SLURM job.
+JOB_ENV_KEYS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "KFAC_BENCH_AGENT_PID",  # kfac_bench.launcher.lifeline.AGENT_PID_ENV
+)
+
+
+def inside_launched_worker(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is already a rank of a torchrun/SLURM job (then it just trains)."""
+    env = os.environ if env is None else env
+    return "TORCHELASTIC_RUN_ID" in env or "RANK" in env or int(env.get("SLURM_NTASKS", "1")) > 1
+
+
+def outside_job_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``env`` (default: this process's) for a child that must start as a job of its own, not as
+    a rank of the torchrun/SLURM job this process may belong to."""
+    out = dict(os.environ if env is None else env)
+    for key in JOB_ENV_KEYS:
+        out.pop(key, None)
+    return out
+
+
+def run_dir_override(run_dir: str | Path) -> str:
+    """The ``hydra.run.dir=`` override naming ``run_dir`` exactly (:func:`hydra_quote`). The launch scripts
+    build theirs with ``python -m kfac_bench.launcher.torchrun DIR``."""
+    return f"hydra.run.dir={hydra_quote(str(run_dir))}"
+
+
+def torchrun_args(
+    overrides: Sequence[str],
+    run_dir: Path,
+    nproc_per_node: int,
+    max_restarts: int,
+    monitor_interval: float,
+) -> list[str]:
+    """Arguments of ``torch.distributed.run`` that start ``nproc_per_node`` ranks of this run."""
+    return [
+        "--standalone",
+        f"--nproc-per-node={nproc_per_node}",
+        f"--max-restarts={max_restarts}",
+        f"--monitor-interval={monitor_interval}",
+        "-m",
+        "kfac_bench.cli",
+        "train",
+        *overrides,
+        run_dir_override(Path(run_dir).resolve()),
+        # The parent already saved the job's config; ranks must not write the same files at once.
+        "hydra.output_subdir=null",
+    ]
+
+
+def launch_torchrun(
+    overrides: Sequence[str],
+    run_dir: Path,
+    nproc_per_node: int,
+    max_restarts: int,
+    monitor_interval: float,
+) -> int:
+    """Run the ranks to completion under :func:`kfac_bench.launcher.agent.run_torchrun`, which forwards
+    SIGTERM/SIGUSR1/SIGUSR2 to them; returns 0, 75 (:data:`kfac_bench.launcher.signals.EXIT_REQUEUE`) if
+    they stopped for preemption with a checkpoint, 2 for a user error in the ranks, else 1."""
+    from kfac_bench.launcher.agent import run_torchrun
+
+    args = torchrun_args(overrides, run_dir, nproc_per_node, max_restarts, monitor_interval)
+    return run_torchrun(args, Path(run_dir).resolve())
+
+
+if __name__ == "__main__":
+    # ``python -m kfac_bench.launcher.torchrun DIR``: print the hydra.run.dir override for DIR (launch/*.s*).
+    if len(sys.argv) != 2:
+        print("usage: python -m kfac_bench.launcher.torchrun RUN_DIR", file=sys.stderr)
+        sys.exit(2)
+    print(run_dir_override(sys.argv[1]))
