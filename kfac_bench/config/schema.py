@@ -5,8 +5,8 @@ of the wrong type fails when the config is composed, naming the key. Closed choi
 names are their lower-case values (OmegaConf parses enums by name), so YAML and the command line use the
 plain strings (``compute_method=inverse``); the K-FAC ones are derived from the engine's enums.
 
-Names follow the paper's vocabulary (STYLE.md guideline 13): the K-FAC fields that the engine takes are
-spelled exactly like :class:`kfac_bench.kfac.KFACPreconditioner`'s keyword arguments; a test keeps them in
+Names follow the paper's vocabulary (CONTRIBUTING.md, convention 2): the K-FAC fields that the engine takes
+are spelled exactly like :class:`kfac_bench.kfac.KFACPreconditioner`'s keyword arguments; a test keeps them in
 step.
 """
 

@@ -5,8 +5,8 @@ time-to-target to TensorBoard's HParams and to the tracker (:meth:`Recorder.fini
 
 The loop calls :meth:`Recorder.on_step` after every optimizer step, :meth:`Recorder.on_epoch` when an epoch
 starts and ends, and :meth:`Recorder.on_eval_start` / :meth:`Recorder.on_eval` around every evaluation; none
-changes the loop's order (STYLE.md guideline 8: callbacks only for what does not depend on order). Other
-ranks get a recorder that writes nothing.
+changes the loop's order (CONTRIBUTING.md, convention 3: callbacks only for what does not depend on
+order). Other ranks get a recorder that writes nothing.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The one training loop. Tasks define only the loss of a batch and the evaluation; the order lives here,
-in :func:`run_loop` (STYLE.md guideline 8; the shape of nanoGPT's loop and detectron2's
+in :func:`run_loop` (CONTRIBUTING.md, convention 3; the shape of nanoGPT's loop and detectron2's
 ``SimpleTrainer.run_step``).
 
 One optimizer step: forward under autocast -> scaled backward per micro-batch (DDP ``no_sync`` on all but the

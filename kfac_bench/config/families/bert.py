@@ -1,4 +1,4 @@
-"""Schemas of the BERT pretraining builders (issue 7): ``model=bert``, ``dataset=bert_shards`` /
+"""Schemas of the BERT pretraining builders: ``model=bert``, ``dataset=bert_shards`` /
 ``bert_pydoc``, ``task=masked_lm``.
 
 Each dataclass is ``_target_`` plus the builder's keyword arguments, so a misspelt key fails when the config
