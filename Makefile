@@ -66,7 +66,7 @@ bench: $(STAMP)  ## K-FAC overhead benchmark (CPU): step-time ratios K-FAC/SGD w
 	$(BIN)/python -m benchmarks.overhead
 
 gpu-check: $(STAMP)  ## GPU readiness check on one CUDA device (~5 min) -> gpu-report.json/.md; ARGS=--dry-run: CPU rehearsal
-	$(BIN)/python -m benchmarks.gpu_check $(ARGS)
+	$(BIN)/python -m benchmarks.gpu $(ARGS)
 
 format: $(STAMP)  ## apply ruff's formatter and import sorting
 	$(BIN)/ruff check --fix kfac_bench tests benchmarks

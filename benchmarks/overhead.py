@@ -24,7 +24,7 @@ per round, between the arms' steps, and their medians used. The conv A factor ca
 
 The side-by-side pieces (:class:`Setup`: device, autocast, GradScaler, channels_last; :class:`Arm`: one
 timed training step in the harness loop's order; :func:`twins`; :func:`eigh_check`) are shared with the GPU
-check (``python -m benchmarks.gpu_check``), which runs them on CUDA under AMP.
+check (``python -m benchmarks.gpu``), which runs them on CUDA under AMP.
 
 Wall times on a shared machine are noisy; only ratios measured in the same run mean anything.
 """

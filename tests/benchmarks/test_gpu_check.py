@@ -1,5 +1,5 @@
 """The GPU check: its measurements (in process, float32 on the CPU), its targets and markdown, and the real
-``python -m benchmarks.gpu_check --dry-run`` in a subprocess (every step, report files, failure handling)."""
+``python -m benchmarks.gpu --dry-run`` in a subprocess (every step, report files, failure handling)."""
 
 from __future__ import annotations
 
@@ -14,18 +14,17 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks import gpu_report
 from benchmarks.conv_factor import ConvShape
-from benchmarks.gpu_check import STEPS, write_report
-from benchmarks.gpu_measure import (
+from benchmarks.gpu import report as gpu_report
+from benchmarks.gpu.check import REPO, STEPS, child_env, write_report
+from benchmarks.gpu.measure import (
     amortise,
     conv_dispatch,
     conv_shapes,
-    memory,
+    memory_figures,
     side_by_side,
     step_kind,
 )
-from benchmarks.gpu_steps import REPO, child_env
 from benchmarks.overhead import Setup, _classification
 from kfac_bench.kfac import STAGES
 from kfac_bench.kfac.layers.conv_factor import fast_method
@@ -137,7 +136,7 @@ def test_conv_dispatch_times_both_paths_and_judges_the_choice() -> None:
 
 def test_memory_on_the_cpu_reports_the_engine_figures_only() -> None:
     data: dict[str, Any] = {}
-    memory(_tiny_workload(), Setup(), 2, data.__setitem__)
+    memory_figures(_tiny_workload(), Setup(), 2, data.__setitem__)
     m = data["memory"]
     e = m["engine_memory_usage"]
     assert e["total"] == e["factors"] + e["decompositions"] + e["buffers"] > 0
@@ -222,7 +221,7 @@ def test_markdown_has_the_rows_the_readme_quotes_with_the_json_figures(tmp_path:
 
 
 def _dry_run(tmp_path: Path, *args: str, timeout: float = 900) -> tuple[int, dict[str, Any], str]:
-    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(tmp_path), *args]
+    cmd = [sys.executable, "-m", "benchmarks.gpu", "--dry-run", "--out", str(tmp_path), *args]
     done = subprocess.run(
         cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=hang_limit(timeout)
     )

@@ -1,4 +1,4 @@
-"""Measurements of the GPU check: amortised K-FAC step time by step kind, conv-factor dispatch, memory.
+"""The GPU check's measurements: amortised K-FAC step time by step kind, conv-factor dispatch, memory.
 
 Amortisation without running a whole decomposition interval: the K-FAC arm runs with factors every 2 and
 decompositions every 4 steps, so every window of 4 steps holds one step of each *kind*:
@@ -10,26 +10,43 @@ decompositions every 4 steps, so every window of 4 steps holds one step of each 
 Each kind's time is the median over the measured windows (both arms take turns on the same batches, as in
 ``benchmarks/overhead.py``). For factor interval ``f`` and decomposition interval ``k`` (``f`` divides
 ``k``), an interval of ``k`` steps holds 1 decomposition step, ``k/f − 1`` factor steps and ``k − k/f``
-plain steps, so the time per step at that cadence is ``gpu_report.FORMULA``; stage times and the SGD arm
+plain steps, so the time per step at that cadence is ``report.FORMULA``; stage times and the SGD arm
 are combined the same way.
+
+The check's ``resnet50``, ``bert_large`` and ``memory`` steps (:func:`resnet50`, :func:`bert_large`,
+:func:`memory`) run these measurements on one device (tiny sizes on the CPU in a dry run).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import json
+import os
 import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from benchmarks.conv_factor import ConvShape
-from benchmarks.gpu_report import MEASURING_CADENCE
-from benchmarks.overhead import Arm, Setup, StepTime, Workload, eigh_check, kfac_arguments, twins
+from benchmarks.gpu.report import CADENCES, MEASURING_CADENCE
+from benchmarks.overhead import (
+    Arm,
+    Setup,
+    StepTime,
+    Workload,
+    _classification,
+    bert_workload,
+    eigh_check,
+    kfac_arguments,
+    twins,
+)
 from kfac_bench.kfac import STAGES
 from kfac_bench.kfac.layers.conv_factor import (
     conv2d_a_factor,
@@ -37,6 +54,9 @@ from kfac_bench.kfac.layers.conv_factor import (
     conv2d_a_factor_unfold,
     fast_method,
 )
+
+if TYPE_CHECKING:
+    from benchmarks.gpu.check import StepContext
 
 KINDS = ("decomposition", "factor", "plain")
 #: Two dispatch paths closer than this are a tie: either choice is right (both methods are exact).
@@ -51,7 +71,7 @@ def step_kind(step: int) -> str:
 
 def amortise(per_kind: dict[str, float], factor_steps: int, inv_steps: int) -> float:
     """Seconds per step at cadence ``factor_steps / inv_steps`` from per-kind seconds
-    (``gpu_report.FORMULA``)."""
+    (``report.FORMULA``)."""
     if factor_steps < 1 or inv_steps % factor_steps != 0:
         raise ValueError(
             f"the factor interval must divide the decomposition interval: {factor_steps}/{inv_steps}"
@@ -128,9 +148,8 @@ def side_by_side(
         setup.to_device(w.batch(g)) for _ in range(k)
     ]  # made once: no data cost in the timings
     t0 = time.perf_counter()
-    for b in (
-        batches
-    ):  # warm-up window: first calls, allocator, cuDNN autotuning, the first decomposition
+    # The warm-up window: first calls, allocator, cuDNN autotuning, the first decomposition.
+    for b in batches:
         sgd.step(w, b)
         kfac.step(w, b)
     window_s = time.perf_counter() - t0
@@ -286,7 +305,9 @@ def _release(setup: Setup) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def memory(w: Workload, setup: Setup, steps: int, record: Callable[[str, Any], None]) -> None:
+def memory_figures(
+    w: Workload, setup: Setup, steps: int, record: Callable[[str, Any], None]
+) -> None:
     """The engine's ``memory_usage()`` against the allocator: the K-FAC arm alone (after a step with factors
     and decompositions, then ``steps - 1`` more) minus the SGD arm alone after as many steps."""
     g = torch.Generator().manual_seed(1)
@@ -333,3 +354,118 @@ def cudnn_autotune(setup: Setup) -> Any:
         yield
     finally:
         torch.backends.cudnn.benchmark = old
+
+
+# ------------------------------------------------------------------------------------- collectives
+
+
+def collective_probe(path: Path, dry: bool) -> int:
+    """One torchrun rank: join the process group (NCCL on CUDA, gloo on the CPU), all-reduce and broadcast,
+    check the values, time a 64 MiB all-reduce (4 MiB on the CPU), write the result to ``path``."""
+    import torch.distributed as dist
+
+    cuda = not dry
+    dev = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if cuda
+        else torch.device("cpu")
+    )
+    if cuda:
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x = torch.full(((1 << 24) if cuda else (1 << 20),), float(rank + 1), device=dev)
+    dist.all_reduce(x)
+    all_reduce_ok = bool((x == world * (world + 1) / 2).all())
+    y = torch.arange(1024.0, device=dev) if rank == 0 else torch.zeros(1024, device=dev)
+    dist.broadcast(y, 0)
+    broadcast_ok = bool(torch.equal(y, torch.arange(1024.0, device=dev)))
+    times = []
+    sync = torch.cuda.synchronize if cuda else lambda: None
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        sync()
+        times.append(time.perf_counter() - t0)
+    dist.barrier()
+    backend = dist.get_backend()
+    dist.destroy_process_group()
+    result = {
+        "backend": str(backend),
+        "world_size": world,
+        "all_reduce_ok": all_reduce_ok,
+        "broadcast_ok": broadcast_ok,
+        "all_reduce_mib": x.numel() * 4 / 2**20,
+        "all_reduce_ms": sorted(times)[len(times) // 2] * 1e3,
+        "ok": all_reduce_ok and broadcast_ok,
+    }
+    if rank == 0:
+        path.write_text(json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+# ------------------------------------------------------------------------------------------ the steps
+
+
+def _resnet_case(dry: bool) -> tuple[Workload, Setup, int, dict[str, Any]]:
+    setup = Setup("cpu" if dry else "cuda", torch.bfloat16, channels_last=True)
+    if dry:
+        from kfac_bench.models.cifar_resnet import build_cifar_resnet
+
+        batch, size, model, classes = 4, 32, "CIFAR ResNet-8", 10
+        build: Callable[[], nn.Module] = functools.partial(build_cifar_resnet, 8)
+        label = (
+            "ResNet-50 [dry run: CIFAR ResNet-8, 32², batch 4, bf16 autocast, channels_last, CPU]"
+        )
+    else:
+        from kfac_bench.models.torchvision_models import build_torchvision_resnet
+
+        batch, size, model, classes = 64, 224, "torchvision resnet50", 1000
+        build = functools.partial(build_torchvision_resnet, "resnet50")
+        label = "ResNet-50, 224², batch 64, bf16 autocast, channels_last"
+    w = _classification("resnet50", build, (batch, 3, size, size), classes)
+    meta = {"label": label, "model": model, "batch": batch, "image_size": size, "precision": "bf16"}
+    return w, setup, size, meta | {"channels_last": True, "device": setup.device}
+
+
+def _side_by_side_step(
+    ctx: StepContext, w: Workload, setup: Setup, meta: dict[str, Any], share: float
+) -> None:
+    ctx.record("workload", meta)
+    deadline = time.monotonic() + share * ctx.time_left()
+    with cudnn_autotune(setup):
+        side_by_side(w, setup, list(CADENCES), 1 if ctx.dry else 4, deadline, ctx.record)
+
+
+def resnet50(ctx: StepContext) -> None:
+    """ResNet-50 224², batch 64, bf16, channels_last: side by side, then the conv-factor dispatch."""
+    w, setup, size, meta = _resnet_case(ctx.dry)
+    _side_by_side_step(ctx, w, setup, meta, share=0.75)
+    _release(setup)
+    shapes = conv_shapes(w.build(), size, meta["batch"])
+    conv_dispatch(shapes, setup, 1 if ctx.dry else 3, ctx.deadline, ctx.record)
+
+
+def bert_large(ctx: StepContext) -> None:
+    """BERT-Large at seq 512, batch 8, fp16 with GradScaler: side by side."""
+    setup = Setup("cpu" if ctx.dry else "cuda", torch.float16, grad_scaler=True)
+    preset, seq, batch, vocab = ("tiny", 32, 2, 1000) if ctx.dry else ("large", 512, 8, None)
+    w = bert_workload(preset, seq, batch, name="bert_large", vocab_size=vocab)
+    label = (
+        "BERT-Large [dry run: tiny preset (2 layers, hidden 128, vocabulary 1000), seq 32, batch 2, "
+        "fp16 + GradScaler, CPU]"
+        if ctx.dry
+        else "BERT-Large (24 layers, hidden 1024), seq 512, batch 8, fp16 autocast + GradScaler"
+    )
+    meta = {"label": label, "preset": preset, "seq": seq, "batch": batch, "precision": "fp16"}
+    _side_by_side_step(
+        ctx, w, setup, meta | {"grad_scaler": True, "device": setup.device}, share=1.0
+    )
+
+
+def memory(ctx: StepContext) -> None:
+    """The ResNet-50 case's ``memory_usage()`` against the allocator's deltas."""
+    w, setup, _size, meta = _resnet_case(ctx.dry)
+    ctx.record("workload", meta)
+    memory_figures(w, setup, 2, ctx.record)
