@@ -1,4 +1,4 @@
-"""BERT-Large pretraining recipes (issue 7): the composed configs carry the paper's numbers, and the smoke
+"""BERT-Large pretraining recipes: the composed configs carry the paper's numbers, and the smoke
 twins train the tiny BERT on real HDF5 shards through the real ``kfac-bench`` CLI (LAMB, K-FAC, and a phase-2
 run that starts from a phase-1 checkpoint). ``kfac-bench prepare-bert`` writes shards the reader accepts.
 

@@ -1,4 +1,4 @@
-"""Mask R-CNN recipes (issue 6): the composed configs carry the paper's numbers, K-FAC lands on
+"""Mask R-CNN recipes: the composed configs carry the paper's numbers, K-FAC lands on
 exactly the box and mask heads, and the smoke twins train on a tiny real-format COCO set through the
 real ``kfac-bench`` CLI and score it with COCOeval.
 

@@ -1,4 +1,4 @@
-"""Image recipes (issue 5): ResNet-32 / CIFAR-10 and ResNet-50 / ImageNet, both arms.
+"""Image recipes: ResNet-32 / CIFAR-10 and ResNet-50 / ImageNet, both arms.
 
 The composed configs carry the paper's numbers (typed below from SC20 §VI-C1/C3 and TPDS §6.3.1, never read
 from the YAML); the smoke twins train on tiny sets in the real on-disk formats (pickled CIFAR batches, a

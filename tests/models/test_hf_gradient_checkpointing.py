@@ -1,5 +1,6 @@
-"""Hugging Face models under activation checkpointing (issue 23): GPT-2 crashed in ``step()`` under reentrant
-checkpointing and BERT fell back to plain gradients layer by layer. Factors must equal the plain run's."""
+"""Hugging Face models (GPT-2, BERT) under activation checkpointing, reentrant or not: the recomputed forward
+must not capture a layer twice or lose it, so every layer's factors equal the plain run's and K-FAC covers the
+same parameters."""
 
 from __future__ import annotations
 
