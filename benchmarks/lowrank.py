@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kfac_bench.kfac.second_order import RankRule, eigen, lowrank
+from kfac_bench.kfac.second_order import EigenLowRankMethod, EigenMethod, RankRule
 
 
 def decaying_factor(n: int, power: float, seed: int) -> torch.Tensor:
@@ -51,20 +51,22 @@ def measure_pair(
     grad = torch.randn(g_dim, a_dim, generator=torch.Generator().manual_seed(5))
     rules = {f: RankRule(fraction=f, min_dim=1) for f in fractions}
     previous = {
-        f: lowrank.decompose(old, torch.float32, r, [None, None], [False, False])
-        for f, r in rules.items()
+        f: EigenLowRankMethod(torch.float32, r).decompose(old, damping) for f, r in rules.items()
     }
     times: dict[str, list[float]] = {"eigh": [], **{f"rank {f:g}n": [] for f in fractions}}
     results: dict[str, Any] = {}
     for _ in range(rounds):
         t0 = time.perf_counter()
-        results["eigh"] = eigen.decompose(new, torch.float32)
+        results["eigh"] = EigenMethod(torch.float32).decompose(new, damping)
         times["eigh"].append(time.perf_counter() - t0)
         for f, rule in rules.items():
             t0 = time.perf_counter()
-            results[f] = lowrank.decompose(new, torch.float32, rule, previous[f], [False, False])
+            low = EigenLowRankMethod(torch.float32, rule)
+            results[f] = low.decompose(new, damping, previous=previous[f])
             times[f"rank {f:g}n"].append(time.perf_counter() - t0)
-    exact = eigen.precondition(grad, *results["eigh"], damping)
+    exact = EigenMethod(torch.float32, outer=False).precondition(
+        grad, dict(zip("ag", results["eigh"])), damping
+    )
     out: dict[str, Any] = {
         "a_dim": a_dim,
         "g_dim": g_dim,
@@ -72,7 +74,9 @@ def measure_pair(
     }
     out["lowrank"] = []
     for f in fractions:
-        approx = lowrank.precondition(grad, *results[f], damping)
+        approx = EigenLowRankMethod(torch.float32, outer=False).precondition(
+            grad, dict(zip("ag", results[f])), damping
+        )
         t = statistics.median(times[f"rank {f:g}n"])
         out["lowrank"].append(
             {

@@ -11,7 +11,8 @@ gradient worker in group j broadcasts the preconditioned gradient to the rest of
     MEM-OPT:  m = 1 (every rank its own block; a preconditioned-gradient broadcast every step)
 
 Placement is deterministic (ties broken by layer order, then rank), so every rank computes the same plan
-without communicating.
+without communicating. :func:`assign` is the one placement rule: the preconditioner places its layers with it,
+and ``kfac-bench plan`` places a recipe's layers with it, so a plan's placement is the run's.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from .options import (
     AssignmentStrategy,
@@ -28,10 +30,24 @@ from .options import (
 )
 
 
+class Shaped(Protocol):
+    """What placement reads of a layer: its factor sizes (A is ``a_dim × a_dim``, G is ``g_dim × g_dim``)
+    and whether it is ``spatial`` (a convolution, whose factors may cost differently to decompose). A
+    scanned :class:`~kfac_bench.kfac.LayerSpec` and the preconditioner's layer state have them."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def a_dim(self) -> int: ...
+    @property
+    def g_dim(self) -> int: ...
+    @property
+    def spatial(self) -> bool: ...
+
+
 @dataclass(frozen=True)
 class LayerShape:
-    """A layer's factor sizes: A is ``a_dim × a_dim``, G is ``g_dim × g_dim``; ``spatial``: a convolution
-    (its factors may cost differently to decompose, see :func:`assign`'s ``cost``)."""
+    """A layer's factor sizes without a module (a :class:`Shaped` of its own)."""
 
     name: str
     a_dim: int
@@ -96,18 +112,26 @@ def lpt(costs: Sequence[float], bins: int) -> list[int]:
 
 
 def assign(
-    layers: Sequence[LayerShape],
+    layers: Sequence[Shaped],
     world_size: int,
-    grad_worker_fraction: float | DistributedStrategy | str = 1.0,
+    grad_worker_fraction: float | DistributedStrategy | str,
+    cost: Callable[[int, bool], float],
     strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
     colocate_factors: bool = True,
     placement: Placement | str = Placement.LPT,
-    cost: Callable[[int, bool], float] | None = None,
 ) -> dict[str, LayerWork]:
     """The placement of every layer's decompositions and gradient workers.
 
-    ``cost(n, spatial)``: the decomposition cost of an n×n factor under the ``compute`` strategy, e.g. the
-    second-order method's (low-rank factors cost far less than ``n³``); default ``n³``."""
+    Args:
+        layers: in registration order (ties are broken by it).
+        world_size: ranks of the K-FAC process group.
+        grad_worker_fraction: see :func:`grad_workers_per_layer`.
+        cost: ``cost(n, spatial)``, the decomposition cost of an n×n factor under the ``compute`` strategy:
+            the second-order method's ``decomposition_cost`` (low-rank factors cost far less than ``n³``).
+        strategy: price factors by ``cost`` (``compute``) or by ``n²`` (``memory``).
+        colocate_factors: decompose a layer's A and G on the same rank.
+        placement: KAISA's LPT or SC20's round robin.
+    """
     strategy, placement = AssignmentStrategy.parse(strategy), Placement.parse(placement)
     m = grad_workers_per_layer(grad_worker_fraction, world_size)
     if placement is Placement.ROUND_ROBIN:
@@ -130,9 +154,7 @@ def assign(
     return plan
 
 
-def _round_robin(
-    layers: Sequence[LayerShape], world_size: int, split: bool
-) -> list[tuple[int, int]]:
+def _round_robin(layers: Sequence[Shaped], world_size: int, split: bool) -> list[tuple[int, int]]:
     """SC20's rule: cycle through ranks one layer at a time, or one factor at a time (A then G) when
     there are more ranks than layers (SC20 §IV; its code cycles ranks with ``itertools.cycle``)."""
     if split:
@@ -141,17 +163,17 @@ def _round_robin(
 
 
 def _lpt_two_level(
-    layers: Sequence[LayerShape],
+    layers: Sequence[Shaped],
     world_size: int,
     m: int,
     strategy: AssignmentStrategy,
     colocate: bool,
-    cost: Callable[[int, bool], float] | None = None,
+    cost: Callable[[int, bool], float],
 ) -> list[tuple[int, int]]:
     """Layers to blocks by LPT on their total cost, then factors (or whole layers) to the block's ranks."""
 
     def price(n: int, spatial: bool) -> float:
-        if cost is not None and strategy is AssignmentStrategy.COMPUTE:
+        if strategy is AssignmentStrategy.COMPUTE:
             return cost(n, spatial)
         return factor_cost(n, strategy)
 

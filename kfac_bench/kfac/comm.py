@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .assignment import LayerWork
+from .options import Factor
 
 
 def world_info(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
@@ -82,7 +83,7 @@ def factor_entries(
     return [
         (f"{name}/{kind}", dim, owner if reduce else None)
         for name, w in reversed(list(plan.items()))
-        for kind, dim, owner in (("g", w.g_dim, w.g_owner), ("a", w.a_dim, w.a_owner))
+        for kind, dim, owner in ((Factor.G, w.g_dim, w.g_owner), (Factor.A, w.a_dim, w.a_owner))
     ]
 
 

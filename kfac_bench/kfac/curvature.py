@@ -20,12 +20,13 @@ import torch
 from .comm import Communicator, StepReduction
 from .factors import running_average
 from .log import WarnOnce
-from .options import FactorScaling
-from .second_order import SecondOrderMethod
+from .options import Factor, FactorScaling
+from .second_order import Result, SecondOrderMethod
 from .state import LayerState
 from .timing import StageTimer
 
 _NOT_RUN, _FAILED = 1, 2  # why a rank cannot provide a layer's part (the larger wins across ranks)
+_Job = tuple[LayerState, Factor, torch.Tensor]  # a factor this rank decomposes
 
 
 class Curvature:
@@ -56,8 +57,8 @@ class Curvature:
             return
         if self._step_reduction is None:
             self._step_reduction = self.comm.start_reduction()
-        for kind, acc, is_g in (("g", layer.g_batch, True), ("a", layer.a_batch, False)):
-            f = acc.pop(self.scaling, is_g)
+        for kind, acc in ((Factor.G, layer.g_batch), (Factor.A, layer.a_batch)):
+            f = acc.pop(self.scaling, kind is Factor.G)
             if f is not None:
                 self._step_reduction.add(f"{layer.name}/{kind}", f)
 
@@ -82,15 +83,15 @@ class Curvature:
         """Give ``reduction`` the normalised batch factors the hooks did not hand over (keyed
         ``"<layer>/a"``); only the reduction keeps them, so packing a bucket frees its factors."""
         for name, layer in self.layers.items():
-            for kind, acc, is_g in (("a", layer.a_batch, False), ("g", layer.g_batch, True)):
-                f = acc.pop(self.scaling, is_g)
+            for kind, acc in ((Factor.A, layer.a_batch), (Factor.G, layer.g_batch)):
+                f = acc.pop(self.scaling, kind is Factor.G)
                 if f is not None:
                     reduction.hold(f"{name}/{kind}", f)
 
     def _update_running_factors(self, batch: dict[str, torch.Tensor], decay: float) -> None:
         """Fold ``batch`` (consumed: a bucket's buffer is freed once its last factor is folded in)."""
         for name, layer in self.layers.items():
-            for kind in ("a", "g"):
+            for kind in Factor:
                 f = batch.pop(f"{name}/{kind}", None)
                 if f is None:
                     continue
@@ -101,40 +102,48 @@ class Curvature:
 
     # ------------------------------------------------------------------ stage 2: second order
     def update_second_order(self, damping: float) -> None:
-        """Decompose the factors this rank owns, agree on which layers are ready, and send each part to the
-        layer's other gradient workers."""
+        """Decompose (or invert) the factors this rank owns, agree on which layers are ready, and send each
+        part to the layer's other gradient workers. A failed decomposition keeps the last good one."""
         with self.timer("decomposition"):
-            missing = self.decompose(damping)
+            self._warn_nonfinite_factors()
+            jobs, missing = self._owned_factors()
+            results = self.method.decompose(
+                [f for _, _, f in jobs],
+                damping,
+                self.comm.world_size == 1 and any(f.is_cuda for _, _, f in jobs),
+                previous=[layer.parts.get(kind) for layer, kind, _ in jobs],
+                spatial=[layer.spatial for layer, _, _ in jobs],
+            )
+            self._keep(jobs, results, missing)
+            self._derive(damping)
         with self.timer("decomposition_comm"):
             self._agree_ready(missing)
             self.broadcast()
 
-    def decompose(self, damping: float) -> dict[str, int]:
-        """Decompose (or invert) the factors this rank owns; keep the last good result on failure.
-
-        Returns, for layers this rank cannot provide a part of, why: 1 = no factor yet (the layer has not
-        run), 2 = its decomposition failed even in float64 and there is no earlier one.
-        """
-        self._warn_nonfinite_factors()
+    def _owned_factors(self) -> tuple[list[_Job], dict[str, int]]:
+        """The ``(layer, kind, factor)`` this rank decomposes, and the layers it lacks a factor of
+        (``_NOT_RUN``: the layer has not run yet)."""
+        jobs: list[_Job] = []
         missing: dict[str, int] = {}
-        jobs: list[tuple[LayerState, str, torch.Tensor]] = []
         for layer in self.layers.values():
-            for kind in ("a", "g"):
+            for kind in Factor:
                 if not self.owns(layer, kind):
                     continue
                 factor = getattr(layer, f"{kind}_factor")
                 if factor is None:
-                    missing[layer.name] = max(missing.get(layer.name, 0), _NOT_RUN)
+                    missing[layer.name] = _NOT_RUN
                 else:
                     jobs.append((layer, kind, factor))
-        batch = self.comm.world_size == 1 and any(f.is_cuda for _, _, f in jobs)
-        results = self.method.decompose(
-            [f for _, _, f in jobs],
-            damping,
-            batch,
-            previous=[layer.parts.get(kind) for layer, kind, _ in jobs],
-            spatial=[layer.handler.spatial for layer, _, _ in jobs],
-        )
+        return jobs, missing
+
+    def _keep(
+        self,
+        jobs: list[_Job],
+        results: list[Result | None],
+        missing: dict[str, int],
+    ) -> None:
+        """Store each result as its layer's part; a failure keeps the last good part, or marks the layer
+        ``_FAILED`` in ``missing`` when there is none."""
         for (layer, kind, _), res in zip(jobs, results):
             if res is not None:
                 layer.parts[kind] = res
@@ -151,12 +160,15 @@ class Curvature:
                 if kept
                 else "no earlier one to fall back on: its gradient stays plain until one succeeds",
             )
-        if self.method.derived:
-            for layer in self.layers.values():
-                a, g = layer.parts.get("a"), layer.parts.get("g")
-                if a is not None and g is not None and self.owns(layer, "g"):
-                    layer.parts.update(self.method.derive(a, g, damping))
-        return missing
+
+    def _derive(self, damping: float) -> None:
+        """The method's derived parts of each layer whose G this rank owns."""
+        if not self.method.derived:
+            return
+        for layer in self.layers.values():
+            a, g = layer.parts.get(Factor.A), layer.parts.get(Factor.G)
+            if a is not None and g is not None and self.owns(layer, Factor.G):
+                layer.parts.update(self.method.derive(a, g, damping))
 
     def _agree_ready(self, missing: dict[str, int]) -> None:
         """Every rank learns which layers have all their parts: one small all-reduce, and only while some
@@ -189,7 +201,7 @@ class Curvature:
         """Whether this rank computes ``part`` of the layer (derived parts: the G owner)."""
         work = layer.work
         assert work is not None
-        return (work.a_owner if part == "a" else work.g_owner) == self.comm.rank
+        return (work.a_owner if part == Factor.A else work.g_owner) == self.comm.rank
 
     def broadcast(self) -> None:
         """Send each part from the rank that computed it to the other gradient workers of its block."""
@@ -205,18 +217,18 @@ class Curvature:
                 or len(work.grad_workers) == 1
             ):
                 continue
-            for part in ("a", "g", *self.method.derived):
+            for part in (*Factor, *self.method.derived):
                 res = layer.parts.get(part)
                 if res is None:
                     res = self.method.empty(
-                        part, work.a_dim, work.g_dim, layer.device, layer.handler.spatial
+                        part, work.a_dim, work.g_dim, layer.device, layer.spatial
                     )
                 elif not all(v.is_contiguous() for v in res.values()):
                     # LAPACK returns column-major eigenvectors and collectives send storage order: an owner
                     # sends (and every receiver holds) row-major copies. Only distributed runs pay for it.
                     res = {k: v.contiguous() for k, v in res.items()}
                 layer.parts[part] = res
-                src = work.a_owner if part == "a" else work.g_owner
+                src = work.a_owner if part == Factor.A else work.g_owner
                 tensors = [res[k] for k in sorted(res)]  # one order on every rank
                 works += self.comm.broadcast_in_block(tensors, src, work.grad_workers)
         for w in works:

@@ -26,6 +26,14 @@ class StrEnum(str, Enum):
         return str(self.value)
 
 
+class Factor(StrEnum):
+    """The two Kronecker factors of a layer, and the keys of their parts: A (from the layer's inputs) and G
+    (from the gradients of its outputs)."""
+
+    A = "a"
+    G = "g"
+
+
 class ComputeMethod(StrEnum):
     """How factors become a preconditioner: eigendecompositions (TPDS eq. 11-13), inverses (eq. 9-10), or
     the opt-in low-rank eigendecomposition of large Linear-layer factors (:mod:`.second_order.lowrank`)."""

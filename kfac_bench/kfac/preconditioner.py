@@ -9,15 +9,15 @@ Usage (any PyTorch loop; with DDP, after its gradient averaging; with AMP, after
 
 The jobs live in their own modules: :mod:`.capture` (hooks), :mod:`.second_order` (the method, chosen
 once), :mod:`.assignment` and :mod:`.comm` (where work runs and what is sent), :mod:`.checkpoint`,
-:mod:`.registration` (which layers, with which settings). What stays here (~580 lines, a quarter of it the
-class's documented arguments and ``memory_usage``'s categories) is the public class: ``step()`` as the
-algorithm, and re-registering layers whose ``requires_grad`` changed, which re-plans placement and
+:mod:`.registration` (which layers, with which settings). What stays here is the public class: ``step()`` as
+the algorithm, and re-registering layers whose ``requires_grad`` changed, which re-plans placement and
 re-attaches hooks, so it needs every part the class holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -250,23 +250,25 @@ class KFACPreconditioner:
     # ------------------------------------------------------------------ registration and placement
     def _plan(self) -> None:
         """(Re)compute the placement of every layer. Deterministic, so every rank agrees unasked."""
-        shapes = [
-            asg.LayerShape(n, s.a_dim, s.g_dim, s.handler.spatial) for n, s in self.layers.items()
-        ]
-        plan = asg.assign(
-            shapes,
-            self.comm.world_size,
-            self.grad_worker_fraction,
-            self.assignment_strategy,
-            self.colocate_factors,
-            self.placement,
-            self.method.decomposition_cost,
-        )
+        plan = self._placement(self.comm.world_size)
         for name, work in plan.items():
             self.layers[name].work = work
         self.comm.set_plan(plan)
         entries = factor_entries(plan, self.factor_reduction is FactorReduction.REDUCE)
         self.comm.plan_buckets(entries, torch.empty((), dtype=self.factor_dtype).element_size())
+
+    def _placement(self, world_size: int) -> dict[str, asg.LayerWork]:
+        """Where each layer's work runs on ``world_size`` ranks: :func:`~.assignment.assign`, the rule
+        ``kfac-bench plan`` applies too, with the method's decomposition cost."""
+        return asg.assign(
+            list(self.layers.values()),
+            world_size,
+            self.grad_worker_fraction,
+            self.method.decomposition_cost,
+            self.assignment_strategy,
+            self.colocate_factors,
+            self.placement,
+        )
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -287,20 +289,17 @@ class KFACPreconditioner:
                 "or build a new KFACPreconditioner"
             )
         step = self.steps
-        trainable = self._trainable_now()
-        stale = {n for n in self.layers if trainable.get(n) != self._trainable.get(n)}
-        if self.capture.collecting:
-            self._check_micro_batches()
-        if is_due(self.factor_update_steps, step):
-            self.curvature.update_factors(resolve(self.factor_decay, step))
-        if is_due(self.inv_update_steps, step):
-            self.curvature.update_second_order(resolve(self.damping, step))
-            self._check_runtime_coverage()
-        raw = self._layer_gradients(skip=stale)
-        grads = self._precondition(raw, resolve(self.damping, step))
-        self._scale_and_write(grads, raw, step)
-        if trainable != self._trainable:
-            self._register_again(trainable)
+        with self._following_requires_grad() as changed:
+            if self.capture.collecting:
+                self._check_micro_batches()
+            if is_due(self.factor_update_steps, step):  # 1. factors
+                self.curvature.update_factors(resolve(self.factor_decay, step))
+            if is_due(self.inv_update_steps, step):  # 2. second order
+                self.curvature.update_second_order(resolve(self.damping, step))
+                self._check_runtime_coverage()
+            raw = self._layer_gradients(skip=changed)  # 3. precondition
+            grads = self._precondition(raw, resolve(self.damping, step))
+            self._scale_and_write(grads, raw, step)  # 4. KL clip, write
         self.steps += 1
         self.capture.start_step(is_due(self.factor_update_steps, self.steps))
 
@@ -494,6 +493,16 @@ class KFACPreconditioner:
         handler = handler_for(module)
         assert handler is not None
         return handler.parameters(module)
+
+    @contextlib.contextmanager
+    def _following_requires_grad(self) -> Iterator[set[str]]:
+        """Around one ``step()``: yields the registered layers whose ``requires_grad`` changed since the last
+        step (they keep their plain gradient in it); if any layer's changed, registers the layers again
+        when the step has completed."""
+        trainable = self._trainable_now()
+        yield {n for n in self.layers if trainable.get(n) != self._trainable.get(n)}
+        if trainable != self._trainable:
+            self._register_again(trainable)
 
     def _register_again(self, trainable: dict[str, tuple[bool, bool]]) -> None:
         """Scan again after ``requires_grad`` changed: unchanged layers keep their state, changed ones start

@@ -69,6 +69,11 @@ class LayerSpec:
     handler: LayerHandler = field(repr=False, compare=False)
     batch_dim: int = 0
 
+    @property
+    def spatial(self) -> bool:
+        """Whether the layer's positions are spatial (a convolution), see :class:`LayerHandler`."""
+        return self.handler.spatial
+
 
 @dataclass
 class ModelScan:

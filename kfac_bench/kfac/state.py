@@ -12,7 +12,7 @@ from torch.utils.hooks import RemovableHandle
 from .assignment import LayerWork
 from .factors import normalise
 from .layers import Gram, LayerHandler
-from .options import FactorScaling
+from .options import Factor, FactorScaling
 from .second_order import Parts, Result
 
 
@@ -72,7 +72,7 @@ class LayerState:
     group: list[tuple[Gram, Gram]] = field(default_factory=list)
     a_factor: torch.Tensor | None = None
     g_factor: torch.Tensor | None = None
-    # Second-order parts held on this rank ("a", "g" and the method's derived parts), see second_order.method.
+    # Second-order parts held on this rank ("a", "g" and the method's derived parts), see .second_order.
     parts: Parts = field(default_factory=dict)
     # Whether every gradient worker of the layer holds valid parts (host state, the same on every rank).
     ready: bool = False
@@ -85,17 +85,9 @@ class LayerState:
     received: bool = False
 
     @property
-    def a_decomp(self) -> Result | None:
-        return self.parts.get("a")
-
-    @property
-    def g_decomp(self) -> Result | None:
-        return self.parts.get("g")
-
-    @property
-    def outer(self) -> torch.Tensor | None:
-        part = self.parts.get("outer")
-        return None if part is None else part["outer"]
+    def spatial(self) -> bool:
+        """Whether the layer's positions are spatial (a convolution), see :class:`LayerHandler`."""
+        return self.handler.spatial
 
     @property
     def device(self) -> torch.device:
@@ -126,7 +118,7 @@ def memory_by_category(
         out["factors"] += tensor_bytes(s.a_factor, s.g_factor)
         out["decompositions"] += sum(result_bytes(r) for r in s.parts.values())
         out["outer_products"] += sum(
-            result_bytes(r) for k, r in s.parts.items() if k not in ("a", "g")
+            result_bytes(r) for k, r in s.parts.items() if k not in tuple(Factor)
         )
         out["batch_buffers"] += tensor_bytes(
             s.a_batch.total, s.g_batch.total, *(c.a.sum for c in s.calls)

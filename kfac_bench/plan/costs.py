@@ -1,14 +1,14 @@
 """What one rank holds, computes and sends, for one world size × fraction × placement × factor reduction.
 
 Everything here is the engine's own rule applied to layer shapes: the placement is
-:func:`kfac_bench.kfac.assignment.assign`, the factor buckets are :func:`kfac_bench.kfac.comm.plan_buckets`
-over :func:`~kfac_bench.kfac.comm.factor_entries`, the second-order parts have the shapes and dtypes of the
-method's own receive buffers (``SecondOrderMethod.empty``). The memory categories are those of
-``KFACPreconditioner.memory_usage()`` at their peaks; the collectives and their payloads are those
-``Communicator.counts`` / ``payload_bytes`` tally. The communication model is the one of the reference code
-(KAISA §3.1): factors reduced every factor step, decompositions broadcast inside blocks of m gradient workers
-every decomposition step, preconditioned gradients broadcast in receiver groups of world/m every step when
-m < world.
+:func:`kfac_bench.kfac.assignment.assign` with the method's decomposition cost, the factor buckets are
+:func:`kfac_bench.kfac.comm.plan_buckets` over :func:`~kfac_bench.kfac.comm.factor_entries`, the
+second-order parts have the shapes and dtypes of the method's own receive buffers
+(``SecondOrderMethod.empty``). The memory categories are those of ``KFACPreconditioner.memory_usage()`` at
+their peaks; the collectives and their payloads are those ``Communicator.counts`` / ``payload_bytes``
+tally. The communication model is the one of the reference code (KAISA §3.1): factors reduced every factor
+step, decompositions broadcast inside blocks of m gradient workers every decomposition step, preconditioned
+gradients broadcast in receiver groups of world/m every step when m < world.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kfac_bench.kfac import FactorReduction, LayerSpec, Placement
-from kfac_bench.kfac.assignment import LayerShape, LayerWork, assign
+from kfac_bench.kfac.assignment import LayerWork, assign
 from kfac_bench.kfac.comm import Bucket, factor_entries, plan_buckets
 from kfac_bench.kfac.options import ComputeMethod
 
@@ -129,11 +129,11 @@ def rank_loads(
 ) -> RankLoads:
     """The per-rank loads of ``scenario`` (see :class:`RankLoads`)."""
     n = scenario.world_size
-    shapes = [LayerShape(s.name, s.a_dim, s.g_dim) for s in layers]
     work = assign(
-        shapes,
+        layers,
         n,
         scenario.fraction,
+        settings.method.decomposition_cost,
         settings.assignment_strategy,
         settings.colocate_factors,
         scenario.placement,

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from kfac_bench.kfac import LayerSpec, scan_model
-from kfac_bench.kfac.assignment import LayerShape, assign
+from kfac_bench.kfac.assignment import assign
 from kfac_bench.kfac.options import FactorReduction, Placement
+from kfac_bench.kfac.second_order import EigenMethod
 from kfac_bench.models.maskrcnn import MASKRCNN_SKIP_LAYERS
 
 from .costs import Scenario, rank_loads
@@ -95,8 +96,8 @@ def reference_memory(
     layers: list[LayerSpec], world_size: int, grad_workers: int, factor_dtype: torch.dtype
 ) -> dict[str, int]:
     """Bytes the reference code holds on its fullest rank, by category (module docstring)."""
-    shapes = [LayerShape(s.name, s.a_dim, s.g_dim) for s in layers]
-    work = assign(shapes, world_size, grad_workers / world_size, placement=Placement.LPT)
+    cost = EigenMethod(torch.float32).decomposition_cost  # the reference code's method
+    work = assign(layers, world_size, grad_workers / world_size, cost, placement=Placement.LPT)
     f_size = torch.empty((), dtype=factor_dtype).element_size()
     fp32 = 4
     every = {

@@ -202,7 +202,10 @@ def test_preconditioning_with_float16_decompositions_does_not_overflow() -> None
     raw = torch.cat([model[2].weight.grad, model[2].bias.grad[:, None]], 1).double()
     p.step()
     layer = p.layers["2"]
-    assert layer.a_decomp["q"].dtype == torch.float16 and layer.outer.dtype == torch.float32
+    assert (
+        layer.parts["a"]["q"].dtype == torch.float16
+        and layer.parts["outer"]["outer"].dtype == torch.float32
+    )
     got = torch.cat([model[2].weight.grad, model[2].bias.grad[:, None]], 1).double()
     assert torch.isfinite(got).all()
     ref = eigen_dense(layer.a_factor.double(), layer.g_factor.double(), raw, 1e-5)

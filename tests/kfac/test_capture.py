@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac_bench.kfac import KFACPreconditioner
-from kfac_bench.kfac.second_order import eigen
 
 from ..distributed import run_distributed
 from .reference import eigen_dense, kfac_factors
@@ -208,9 +207,9 @@ def test_tied_linear_layers_are_left_out_with_one_line_naming_both(
 
 # -------------------------------------------------------------- item 7: first decomposition fails in float64
 def _failing_eigh(dim: int):  # type: ignore[no-untyped-def]
-    real = eigen._eigh
+    real = torch.linalg.eigh
 
-    def fake(f: torch.Tensor) -> dict[str, torch.Tensor]:
+    def fake(f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if f.shape[-1] == dim:
             raise torch.linalg.LinAlgError("injected: did not converge")
         return real(f)
@@ -224,7 +223,7 @@ def test_first_decomposition_failing_leaves_the_gradient_plain_and_recovers(
     model = mlp()
     plain = copy.deepcopy(model)
     p = KFACPreconditioner(model, inv_update_steps=2, kl_clip=None)
-    monkeypatch.setattr(eigen, "_eigh", _failing_eigh(9))  # layer '2': A is 9×9, in any dtype
+    monkeypatch.setattr(torch.linalg, "eigh", _failing_eigh(9))  # layer '2': A is 9×9, in any dtype
     with caplog.at_level(logging.WARNING, logger="kfac_bench.kfac"):
         for step in range(2):
             x, y = data(step)
@@ -251,7 +250,7 @@ def owner_failure_worker(rank: int, world: int) -> dict[str, Any]:
     p = KFACPreconditioner(model, grad_worker_fraction="mem_opt", kl_clip=0.01, lr=0.1)
     owner = p.layers["2"].work.a_owner
     if rank == owner:
-        eigen._eigh = _failing_eigh(9)  # a forked process of its own: nothing to restore
+        torch.linalg.eigh = _failing_eigh(9)  # a forked process of its own: nothing to restore
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(3):
         x, y = data(step, n=4 * world)

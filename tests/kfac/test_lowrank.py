@@ -12,7 +12,7 @@ from torch import nn
 
 from kfac_bench.kfac import KFACPreconditioner
 from kfac_bench.kfac.assignment import LayerShape, assign
-from kfac_bench.kfac.second_order import RankRule, eigen, lowrank
+from kfac_bench.kfac.second_order import EigenLowRankMethod, EigenMethod, RankRule, Result
 
 from ..distributed import run_distributed
 from .test_distributed import global_batch, kfac_kwargs, make_model, train
@@ -45,6 +45,28 @@ def _steps(model: nn.Module, p: KFACPreconditioner, steps: range) -> list[list[t
     return out
 
 
+def lowrank(
+    factors: list[torch.Tensor], rule: RankRule, previous: list[Result | None] | None = None
+) -> list[Result | None]:
+    return EigenLowRankMethod(D, rule).decompose(factors, GAMMA, False, previous)
+
+
+def precondition(
+    x: torch.Tensor, a: Result | None, g: Result | None, damping: float
+) -> torch.Tensor:
+    assert a is not None and g is not None
+    return EigenLowRankMethod(D, outer=False).precondition(x, {"a": a, "g": g}, damping)
+
+
+def exact_precondition(
+    x: torch.Tensor, factors: list[torch.Tensor], damping: float
+) -> torch.Tensor:
+    """The exact eigen method's preconditioned ``x`` for the factors ``[A, G]``."""
+    a, g = EigenMethod(D).decompose(factors, damping)
+    assert a is not None and g is not None
+    return EigenMethod(D, outer=False).precondition(x, {"a": a, "g": g}, damping)
+
+
 def test_rank_rule_keeps_small_and_convolution_factors_exact() -> None:
     rule = RankRule(fraction=0.25, min_dim=1024)
     assert rule.rank(1023) == 1023 and rule.rank(1025) == 257 and rule.rank(4096) == 1024
@@ -66,15 +88,13 @@ def test_low_rank_plus_scalar_factors_are_preconditioned_exactly() -> None:
     a, g = _factor(na, la, 1), _factor(ng, lg, 2)
     x = torch.randn(ng, na, generator=torch.Generator().manual_seed(3), dtype=D)
     rule = RankRule(fraction=ka / na, min_dim=1)
-    (ra,) = lowrank.decompose([a], D, rule, [None], [False])
-    (rg,) = lowrank.decompose([g], D, RankRule(kg / ng, 1), [None], [False])
+    (ra,) = lowrank([a], rule)
+    (rg,) = lowrank([g], RankRule(kg / ng, 1))
     assert ra is not None and rg is not None
     assert ra["q"].shape == (na, ka) and rg["q"].shape == (ng, kg)
     torch.testing.assert_close(ra["rest"], torch.tensor([0.2], dtype=D))
-    exact = eigen.decompose([a, g], D)
-    assert exact[0] is not None and exact[1] is not None
-    want = eigen.precondition(x, exact[0], exact[1], 1e-3)
-    got = lowrank.precondition(x, ra, rg, 1e-3)
+    want = exact_precondition(x, [a, g], 1e-3)
+    got = precondition(x, ra, rg, 1e-3)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
@@ -91,24 +111,21 @@ def test_warm_started_rank_n_over_4_is_within_1e2_on_a_decaying_spectrum() -> No
         noise = torch.randn(f.shape[0], 32, generator=g, dtype=D) * 0.05
         new.append(0.95 * f + 0.05 * (f + noise @ noise.t() / 32))
     rule = RankRule(fraction=0.25, min_dim=1)
-    first = lowrank.decompose(old, D, rule, [None, None], [False, False])
-    warm = lowrank.decompose(new, D, rule, first, [False, False])
+    first = lowrank(old, rule)
+    warm = lowrank(new, rule, first)
     assert all(r is not None and r["q"].shape[1] == n // 4 for r, n in zip(warm, (n_a, n_g)))
-    exact = eigen.decompose(new, D)
     x = torch.randn(n_g, n_a, generator=g, dtype=D)
-    want = eigen.precondition(x, exact[0], exact[1], GAMMA)  # type: ignore[arg-type]
-    got = lowrank.precondition(x, warm[0], warm[1], GAMMA)  # type: ignore[arg-type]
+    want = exact_precondition(x, new, GAMMA)
+    got = precondition(x, warm[0], warm[1], GAMMA)
     err = float((got - want).norm() / want.norm())
     assert err < 1e-2, err
-    truncated = lowrank.decompose(new, D, rule, [None, None], [False, False])
-    floor = float((lowrank.precondition(x, *truncated, GAMMA) - want).norm() / want.norm())  # type: ignore[arg-type]
+    truncated = lowrank(new, rule)
+    floor = float((precondition(x, *truncated, GAMMA) - want).norm() / want.norm())
     assert err < 1.5 * floor, (err, floor)
     # And it is an approximation at all: a rank-1 model of the same factors is far off.
     crude = RankRule(fraction=1 / 128, min_dim=1)
-    rough = lowrank.decompose(new, D, crude, [None, None], [False, False])
-    assert (
-        float((lowrank.precondition(x, rough[0], rough[1], 1e-3) - want).norm() / want.norm()) > err
-    )  # type: ignore[arg-type]
+    rough = lowrank(new, crude)
+    assert float((precondition(x, rough[0], rough[1], 1e-3) - want).norm() / want.norm()) > err
 
 
 def test_rank_n_equals_eigen_in_training() -> None:
@@ -160,8 +177,8 @@ def test_placement_prices_low_rank_factors_below_n_cubed() -> None:
     # Two ranks, one big Linear layer and six mid-size ones: at n³ the big one fills a rank by itself;
     # at its low-rank cost (about 4 of the mid-size layers) it shares a rank with others.
     layers = [LayerShape("big", 4096, 4096), *(LayerShape(f"m{i}", 1000, 1000) for i in range(6))]
-    dense = assign(layers, 2)
-    cheap = assign(layers, 2, cost=rule.decomposition_cost)
+    dense = assign(layers, 2, 1.0, EigenMethod(D).decomposition_cost)
+    cheap = assign(layers, 2, 1.0, rule.decomposition_cost)
     together = lambda plan: sum(plan[f"m{i}"].a_owner == plan["big"].a_owner for i in range(6))  # noqa: E731
     assert together(dense) == 0 and together(cheap) > 0
 

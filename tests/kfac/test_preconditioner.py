@@ -100,17 +100,17 @@ def test_scheduled_intervals_take_effect_at_the_right_steps() -> None:
     layer = p.layers["0"]
     for s in range(10):
         before_a = None if layer.a_factor is None else layer.a_factor.clone()
-        before_q = None if layer.a_decomp is None else layer.a_decomp["q"].clone()
+        before_q = None if "a" not in layer.parts else layer.parts["a"]["q"].clone()
         train(model, p, range(s, s + 1))
         if before_a is None or not torch.equal(before_a, layer.a_factor):
             factor_steps.append(s)
-        if before_q is None or not torch.equal(before_q, layer.a_decomp["q"]):
+        if before_q is None or not torch.equal(before_q, layer.parts["a"]["q"]):
             inv_steps.append(s)
     assert factor_steps == [0, 1, 2, 3, 6, 9]
     assert inv_steps == [0, 4, 8]
     # The damping in force at the last decomposition (step 8) is 0.01: outer = 1/(λGλA + 0.01).
-    lam = torch.outer(layer.g_decomp["eigenvalues"], layer.a_decomp["eigenvalues"])
-    torch.testing.assert_close(layer.outer, 1.0 / (lam + 0.01))
+    lam = torch.outer(layer.parts["g"]["eigenvalues"], layer.parts["a"]["eigenvalues"])
+    torch.testing.assert_close(layer.parts["outer"]["outer"], 1.0 / (lam + 0.01))
 
 
 def test_skip_layers_by_name_and_by_class() -> None:
@@ -287,11 +287,11 @@ def test_failed_decomposition_keeps_the_last_good_one(caplog: pytest.LogCaptureF
     model = mlp()
     p = KFACPreconditioner(model, inv_update_steps=1, factor_update_steps=100)
     train(model, p, range(1))
-    good = p.layers["2"].g_decomp["q"].clone()
+    good = p.layers["2"].parts["g"]["q"].clone()
     p.layers["2"].g_factor = torch.full_like(p.layers["2"].g_factor, float("nan"))
     with caplog.at_level(logging.WARNING, logger="kfac_bench.kfac"):
         train(model, p, range(1, 2))
-    assert torch.equal(p.layers["2"].g_decomp["q"], good)
+    assert torch.equal(p.layers["2"].parts["g"]["q"], good)
     assert any("factor G of layer '2'" in r.getMessage() for r in caplog.records)
 
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kfac_bench.kfac import KFACPreconditioner
-from kfac_bench.kfac.second_order import _robust, eigen, inverse
+from kfac_bench.kfac.second_order import EigenMethod, InverseMethod, _robust
 
 from .reference import eigen_dense, inverse_dense, kfac_factors, per_example_output_grads
 from .test_factors import CASES, Probe
@@ -26,21 +29,22 @@ def spd(n: int, seed: int) -> torch.Tensor:
 def test_eigen_method_is_the_exact_damped_kronecker_inverse(damping: float) -> None:
     A, G = spd(5, 0), spd(3, 1)
     grad = torch.randn(3, 5, dtype=D)
-    a, g = eigen.decompose([A, G], D)
+    a, g = EigenMethod(D).decompose([A, G], damping)
     assert a is not None and g is not None
-    out = eigen.precondition(grad, a, g, damping)
+    out = EigenMethod(D, outer=False).precondition(grad, {"a": a, "g": g}, damping)
     torch.testing.assert_close(out, eigen_dense(A, G, grad, damping))
     # The precomputed eigenvalue outer product gives the same result.
-    outer = eigen.inverse_outer(a, g, damping)
-    torch.testing.assert_close(eigen.precondition(grad, a, g, damping, outer), out)
+    method = EigenMethod(D)
+    parts = {"a": a, "g": g, **method.derive(a, g, damping)}
+    torch.testing.assert_close(method.precondition(grad, parts, damping), out)
 
 
 def test_inverse_method_damps_each_factor() -> None:
     A, G, damping = spd(4, 2), spd(6, 3), 0.01
     grad = torch.randn(6, 4, dtype=D)
-    a, g = inverse.decompose([A, G], D, damping)
+    a, g = InverseMethod(D).decompose([A, G], damping)
     assert a is not None and g is not None
-    out = inverse.precondition(grad, a, g)
+    out = InverseMethod(D).precondition(grad, {"a": a, "g": g}, damping)
     torch.testing.assert_close(out, inverse_dense(A, G, grad, damping))
     # ... which is *not* the eigen method's exact (A⊗G + γI)⁻¹ for the same γ (see the docstring of
     # kfac_bench/kfac/second_order/inverse.py).
@@ -49,7 +53,9 @@ def test_inverse_method_damps_each_factor() -> None:
 
 def test_eigenvalues_are_clamped_at_zero() -> None:
     v = torch.randn(4, 1, dtype=D)
-    (res,) = eigen.decompose([v @ v.t()], D)  # rank one: three eigenvalues are ~0, maybe negative
+    (res,) = EigenMethod(D).decompose(
+        [v @ v.t()], 0.0
+    )  # rank one: three eigenvalues are ~0, maybe negative
     assert res is not None and (res["eigenvalues"] >= 0).all()
 
 
@@ -74,10 +80,31 @@ def test_failed_decomposition_is_retried_in_float64_then_reported() -> None:
     assert _robust.run_all(broken, [f], torch.float32, batch_equal_sizes=False) == [None]
 
 
+def test_step_reaches_eigh_within_four_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``step()`` -> second order -> the method -> its batched, retried call of ``torch.linalg.eigh``: a
+    debugger steps from the algorithm to the linear algebra in four frames."""
+    step = inspect.unwrap(KFACPreconditioner.step).__code__
+    real, depths = torch.linalg.eigh, []
+
+    def spy(f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        frame, depth = sys._getframe(1), 1
+        while frame.f_code is not step:
+            frame, depth = frame.f_back, depth + 1  # type: ignore[assignment]
+        depths.append(depth)
+        return real(f)
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    p = KFACPreconditioner(model)
+    monkeypatch.setattr(torch.linalg, "eigh", spy)
+    model(torch.randn(5, 4)).sum().backward()
+    p.step()
+    assert depths and max(depths) <= 4, depths
+
+
 def test_batched_equal_sizes_match_one_by_one() -> None:
     factors = [spd(4, s) for s in range(3)] + [spd(2, 9)]
-    one = eigen.decompose(factors, D, batch_equal_sizes=False)
-    many = eigen.decompose(factors, D, batch_equal_sizes=True)
+    one = EigenMethod(D).decompose(factors, 0.0, batch_equal_sizes=False)
+    many = EigenMethod(D).decompose(factors, 0.0, batch_equal_sizes=True)
     for r1, r2 in zip(one, many):
         assert r1 is not None and r2 is not None
         torch.testing.assert_close(r1["eigenvalues"], r2["eigenvalues"])

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
+#: One decomposition of one factor: named tensors (``{"q", "eigenvalues"}``, ``{"inverse"}``, ...).
 Result = dict[str, torch.Tensor]
+#: A layer's second-order parts by name: ``"a"``, ``"g"`` and the method's derived parts.
+Parts = dict[str, Result]
+
+
+def _as_result(out: Result) -> Result:
+    return out
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -16,13 +24,15 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def run_all(
-    fn: Callable[[torch.Tensor], Result],
+    fn: Callable[[torch.Tensor], Any],
     factors: Sequence[torch.Tensor],
     dtype: torch.dtype,
     batch_equal_sizes: bool,
+    named: Callable[[Any], Result] = _as_result,
 ) -> list[Result | None]:
-    """``fn`` applied to every factor, computed in :func:`compute_dtype` of ``dtype`` and returned in
-    ``dtype``; None where even a float64 retry fails.
+    """``named(fn(factor))`` for every factor, computed in :func:`compute_dtype` of ``dtype`` and returned
+    in ``dtype``; None where even a float64 retry fails. ``named`` turns ``fn``'s output into a
+    :data:`Result` (default: ``fn`` returns one), so that ``fn`` can be the torch routine itself.
 
     Equal-sized factors are stacked into one call when ``batch_equal_sizes`` (worth it on CUDA, where
     batched small eigensolvers exist; on CPU the batch is a loop plus a copy). Non-finite results are
@@ -37,9 +47,9 @@ def run_all(
     for idx in groups.values():
         try:
             if len(idx) == 1:
-                results[idx[0]] = fn(factors[idx[0]].to(dtype))
+                results[idx[0]] = named(fn(factors[idx[0]].to(dtype)))
             else:
-                stacked = fn(torch.stack([factors[i].to(dtype) for i in idx]))
+                stacked = named(fn(torch.stack([factors[i].to(dtype) for i in idx])))
                 for j, i in enumerate(idx):
                     results[i] = {k: v[j] for k, v in stacked.items()}
         except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
@@ -56,7 +66,7 @@ def run_all(
             continue
         results[i] = None
         try:
-            retry = fn(factors[i].to(torch.float64))
+            retry = named(fn(factors[i].to(torch.float64)))
         except RuntimeError:
             continue
         if all(torch.isfinite(v).all() for v in retry.values()):

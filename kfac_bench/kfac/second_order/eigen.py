@@ -12,28 +12,24 @@ products λ_A·λ_G; the explicit-inverse method damps each factor instead (see 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from ._robust import Result, compute_dtype, run_all
+from ._robust import Parts, Result, compute_dtype, run_all
 
 
-def _eigh(factor: torch.Tensor) -> Result:
-    eigenvalues, q = torch.linalg.eigh(factor)
+def _named(pair: tuple[torch.Tensor, torch.Tensor]) -> Result:
+    """``torch.linalg.eigh``'s ``(eigenvalues, eigenvectors)`` as ``{"q", "eigenvalues"}``."""
+    eigenvalues, q = pair
     # Factors are PSD; rounding can produce tiny negative eigenvalues (the reference clamps at 0 too).
     return {"q": q, "eigenvalues": eigenvalues.clamp_(min=0.0)}
 
 
-def decompose(
-    factors: Sequence[torch.Tensor], dtype: torch.dtype, batch_equal_sizes: bool = False
-) -> list[Result | None]:
-    """Eigendecompositions ``{"q", "eigenvalues"}`` of symmetric factors; None where they failed."""
-    return run_all(_eigh, factors, dtype, batch_equal_sizes)
-
-
 def inverse_outer(a: Result, g: Result, damping: float) -> torch.Tensor:
-    """``1 / (λ_G λ_Aᵀ + γ)``, shape (g_dim, a_dim): KAISA's precomputed eigenvalue outer product.
+    """``1 / (λ_G λ_Aᵀ + γ)``, shape (g_dim, a_dim) (the kept eigenvalues' for low-rank parts): KAISA's
+    precomputed eigenvalue outer product.
 
     Computed and kept in at least float32: in float16 a small damping would overflow ``1/γ``.
     """
@@ -41,26 +37,61 @@ def inverse_outer(a: Result, g: Result, damping: float) -> torch.Tensor:
     return 1.0 / (torch.outer(g["eigenvalues"].to(dt), a["eigenvalues"].to(dt)) + damping)
 
 
-def precondition(
-    grad: torch.Tensor,
-    a: Result,
-    g: Result,
-    damping: float,
-    outer: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``Q_G [(Q_Gᵀ ∇W Q_A) ⊙ outer] Q_Aᵀ`` in the decomposition's dtype, or float32 if that is a 16-bit
-    type (which could overflow), returned in ``grad``'s dtype.
+@dataclass(frozen=True)
+class EigenMethod:
+    """``(A ⊗ G + γI)⁻¹ vec(∇W)`` from eigendecompositions ``{"q", "eigenvalues"}`` of A and G.
 
-    Args:
-        grad: layer gradient, shape (g_dim, a_dim).
-        a, g: decompositions of the A and G factors.
-        damping: γ, used when ``outer`` is not given.
-        outer: precomputed ``inverse_outer(a, g, damping)``.
+    With ``outer`` the G owner precomputes ``1/(λ_G λ_Aᵀ + γ)`` on decomposition steps (part ``"outer"``),
+    which needs A and G decomposed on the same rank.
     """
-    dt = compute_dtype(a["q"].dtype)
-    qa, qg = a["q"].to(dt), g["q"].to(dt)
-    v1 = qg.t() @ grad.to(dt) @ qa
-    if outer is None:
-        outer = inverse_outer(a, g, damping)
-    v2 = v1 * outer.to(dt)
-    return (qg @ v2 @ qa.t()).to(grad.dtype)
+
+    dtype: torch.dtype
+    outer: bool = True
+
+    @property
+    def derived(self) -> tuple[str, ...]:
+        return ("outer",) if self.outer else ()
+
+    def decompose(
+        self,
+        factors: Sequence[torch.Tensor],
+        damping: float,
+        batch_equal_sizes: bool = False,
+        previous: Sequence[Result | None] | None = None,
+        spatial: Sequence[bool] | None = None,
+    ) -> list[Result | None]:
+        """Eigendecompositions of symmetric factors (``damping`` is applied later, in
+        :meth:`precondition`); None where they failed even in float64."""
+        return run_all(torch.linalg.eigh, factors, self.dtype, batch_equal_sizes, _named)
+
+    def derive(self, a: Result, g: Result, damping: float) -> Parts:
+        return {"outer": {"outer": inverse_outer(a, g, damping)}} if self.outer else {}
+
+    def empty(
+        self, part: str, a_dim: int, g_dim: int, device: torch.device, spatial: bool = False
+    ) -> Result:
+        if part == "outer":
+            dt = compute_dtype(self.dtype)  # see inverse_outer
+            return {"outer": torch.empty(g_dim, a_dim, dtype=dt, device=device)}
+        dim = a_dim if part == "a" else g_dim
+        return {
+            "q": torch.empty(dim, dim, dtype=self.dtype, device=device),
+            "eigenvalues": torch.empty(dim, dtype=self.dtype, device=device),
+        }
+
+    def decomposition_cost(self, n: int, spatial: bool) -> float:
+        return float(n) ** 3
+
+    def precondition(
+        self, grad: torch.Tensor, parts: Mapping[str, Result], damping: float
+    ) -> torch.Tensor:
+        """``Q_G [(Q_Gᵀ ∇W Q_A) ⊙ outer] Q_Aᵀ`` in the decomposition's dtype, or float32 if that is a 16-bit
+        type (which could overflow), returned in ``grad``'s dtype; ``outer`` is the precomputed part, or
+        :func:`inverse_outer` computed now."""
+        a, g = parts["a"], parts["g"]
+        dt = compute_dtype(a["q"].dtype)
+        qa, qg = a["q"].to(dt), g["q"].to(dt)
+        v1 = qg.t() @ grad.to(dt) @ qa
+        outer = parts["outer"]["outer"] if self.outer else inverse_outer(a, g, damping)
+        v2 = v1 * outer.to(dt)
+        return (qg @ v2 @ qa.t()).to(grad.dtype)

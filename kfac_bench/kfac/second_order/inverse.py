@@ -6,11 +6,12 @@ method, which inverts A⊗G + γI exactly (mixed-product property of ⊗; see :m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from ._robust import Result, compute_dtype, run_all
+from ._robust import Parts, Result, compute_dtype, run_all
 
 
 def _damped_inverse(damping: float):  # type: ignore[no-untyped-def]
@@ -27,18 +28,44 @@ def _damped_inverse(damping: float):  # type: ignore[no-untyped-def]
     return fn
 
 
-def decompose(
-    factors: Sequence[torch.Tensor],
-    dtype: torch.dtype,
-    damping: float,
-    batch_equal_sizes: bool = False,
-) -> list[Result | None]:
-    """``{"inverse": (F + γI)⁻¹}`` for each factor; None where it failed even in float64."""
-    return run_all(_damped_inverse(damping), factors, dtype, batch_equal_sizes)
+@dataclass(frozen=True)
+class InverseMethod:
+    """``(G + γI)⁻¹ ∇W (A + γI)⁻¹`` from the explicit damped inverses ``{"inverse"}`` of A and G."""
 
+    dtype: torch.dtype
 
-def precondition(grad: torch.Tensor, a: Result, g: Result) -> torch.Tensor:
-    """``(G + γI)⁻¹ ∇W (A + γI)⁻¹`` in the inverses' dtype (float32 for 16-bit ones), returned in ``grad``'s
-    dtype."""
-    dt = compute_dtype(a["inverse"].dtype)
-    return (g["inverse"].to(dt) @ grad.to(dt) @ a["inverse"].to(dt)).to(grad.dtype)
+    @property
+    def derived(self) -> tuple[str, ...]:
+        return ()
+
+    def decompose(
+        self,
+        factors: Sequence[torch.Tensor],
+        damping: float,
+        batch_equal_sizes: bool = False,
+        previous: Sequence[Result | None] | None = None,
+        spatial: Sequence[bool] | None = None,
+    ) -> list[Result | None]:
+        """``{"inverse": (F + γI)⁻¹}`` for each factor; None where it failed even in float64."""
+        return run_all(_damped_inverse(damping), factors, self.dtype, batch_equal_sizes)
+
+    def derive(self, a: Result, g: Result, damping: float) -> Parts:
+        return {}
+
+    def empty(
+        self, part: str, a_dim: int, g_dim: int, device: torch.device, spatial: bool = False
+    ) -> Result:
+        dim = a_dim if part == "a" else g_dim
+        return {"inverse": torch.empty(dim, dim, dtype=self.dtype, device=device)}
+
+    def decomposition_cost(self, n: int, spatial: bool) -> float:
+        return float(n) ** 3
+
+    def precondition(
+        self, grad: torch.Tensor, parts: Mapping[str, Result], damping: float
+    ) -> torch.Tensor:
+        """``(G + γI)⁻¹ ∇W (A + γI)⁻¹`` in the inverses' dtype (float32 for 16-bit ones), returned in
+        ``grad``'s dtype (γ was applied by :meth:`decompose`)."""
+        a, g = parts["a"]["inverse"], parts["g"]["inverse"]
+        dt = compute_dtype(a.dtype)
+        return (g.to(dt) @ grad.to(dt) @ a.to(dt)).to(grad.dtype)

@@ -5,7 +5,7 @@ A factor ``F`` (n×n) is kept as ``F ≈ U diag(λ) Uᵀ + c (I − U Uᵀ)`` wi
 ``λ`` their eigenvalues and ``c = (tr F − Σλ) / (n − k)`` the mean of the remaining eigenvalues, so the
 trace is kept and the complement is damped like an isotropic block. Its eigenbasis is ``[U, U⊥]`` with
 eigenvalues ``[λ, c…c]``, so ``(A ⊗ G + γI)⁻¹`` stays exact for this model of the factors, and it is applied
-without ever forming ``U⊥`` (:func:`precondition`).
+without ever forming ``U⊥`` (:meth:`EigenLowRankMethod.precondition`).
 
 Which factors: ``k = rank(n)`` is ``ceil(fraction · n)`` for factors of at least ``min_dim`` rows of a layer
 whose positions are not spatial, and ``n`` (exact ``eigh``) otherwise: below the size threshold ``eigh`` is
@@ -17,18 +17,19 @@ How: the first decomposition of a factor (or one without a previous basis) is an
 to the top k; later ones are a subspace iteration warm-started from the previous basis (the running average
 moves slowly): ``Y = F [U_prev, Ω]`` with ``p`` random columns ``Ω``, ``Q = qr(Y)``, then Rayleigh-Ritz
 (``eigh`` of the small ``Qᵀ F Q``), ``iterations`` times. Cost ``≈ 4·iterations·n²(k+p)`` FLOPs against
-``eigh``'s ``O(n³)`` at a much lower FLOP rate (:func:`decomposition_cost`).
+``eigh``'s ``O(n³)`` at a much lower FLOP rate (:meth:`RankRule.decomposition_cost`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ._robust import Result, compute_dtype, run_all
+from ._robust import Parts, Result, compute_dtype, run_all
+from .eigen import inverse_outer
 
 #: Random columns added to the warm-start basis (oversampling of the range finder).
 OVERSAMPLE = 8
@@ -106,78 +107,98 @@ def _subspace(k: int, previous: torch.Tensor, iterations: int, seed: int):  # ty
     return fn
 
 
-def decompose(
-    factors: Sequence[torch.Tensor],
-    dtype: torch.dtype,
-    rule: RankRule,
-    previous: Sequence[Result | None],
-    spatial: Sequence[bool],
-    batch_equal_sizes: bool = False,
-) -> list[Result | None]:
-    """``{"q": n×k, "eigenvalues": k, "rest": 1}`` for each factor (descending eigenvalues for k < n;
-    exact factors keep ``eigh``'s order with ``rest`` 0); None where it failed even in float64."""
-    results: list[Result | None] = [None] * len(factors)
-    exact: dict[int, list[int]] = {}
-    for i, (f, s) in enumerate(zip(factors, spatial)):
-        n = f.shape[-1]
-        k = rule.rank(n, s)
-        prev = previous[i]
-        if k < n and prev is not None and prev["q"].shape == (n, k):
-            fn = _subspace(k, prev["q"], rule.iterations, seed=n * 7919 + k)
-            results[i] = run_all(fn, [f], dtype, False)[0]
-        else:
-            exact.setdefault(k, []).append(i)
-    for k, idx in exact.items():
-        done = run_all(_exact(k), [factors[i] for i in idx], dtype, batch_equal_sizes)
-        for i, r in zip(idx, done):
-            results[i] = r
-    return results
+@dataclass(frozen=True)
+class EigenLowRankMethod:
+    """``(Â ⊗ Ĝ + γI)⁻¹ vec(∇W)`` with large non-spatial factors kept as their top-k eigenpairs plus one
+    scalar (module docstring); ``k = rule.rank(n, spatial)``, exact ``eigh`` where ``k = n``."""
 
+    dtype: torch.dtype
+    rule: RankRule = RankRule()
+    outer: bool = True
 
-def empty(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Result:
-    return {
-        "q": torch.empty(n, k, dtype=dtype, device=device),
-        "eigenvalues": torch.empty(k, dtype=dtype, device=device),
-        "rest": torch.empty(1, dtype=dtype, device=device),
-    }
+    @property
+    def derived(self) -> tuple[str, ...]:
+        return ("outer",) if self.outer else ()
 
+    def decompose(
+        self,
+        factors: Sequence[torch.Tensor],
+        damping: float,
+        batch_equal_sizes: bool = False,
+        previous: Sequence[Result | None] | None = None,
+        spatial: Sequence[bool] | None = None,
+    ) -> list[Result | None]:
+        """``{"q": n×k, "eigenvalues": k, "rest": 1}`` for each factor (descending eigenvalues for k < n;
+        exact factors keep ``eigh``'s order with ``rest`` 0); None where it failed even in float64.
+        ``previous``: each factor's last result (warm start), ``spatial``: whether its layer is spatial."""
+        previous = previous if previous is not None else [None] * len(factors)
+        spatial = spatial if spatial is not None else [False] * len(factors)
+        results: list[Result | None] = [None] * len(factors)
+        exact: dict[int, list[int]] = {}
+        for i, (f, s) in enumerate(zip(factors, spatial)):
+            n = f.shape[-1]
+            k = self.rule.rank(n, s)
+            prev = previous[i]
+            if k < n and prev is not None and prev["q"].shape == (n, k):
+                fn = _subspace(k, prev["q"], self.rule.iterations, seed=n * 7919 + k)
+                results[i] = run_all(fn, [f], self.dtype, False)[0]
+            else:
+                exact.setdefault(k, []).append(i)
+        for k, idx in exact.items():
+            done = run_all(_exact(k), [factors[i] for i in idx], self.dtype, batch_equal_sizes)
+            for i, r in zip(idx, done):
+                results[i] = r
+        return results
 
-def inverse_outer(a: Result, g: Result, damping: float) -> torch.Tensor:
-    """``1 / (λ_G λ_Aᵀ + γ)`` over the kept eigenvalues, shape (k_g, k_a), at least float32."""
-    dt = compute_dtype(a["eigenvalues"].dtype)
-    return 1.0 / (torch.outer(g["eigenvalues"].to(dt), a["eigenvalues"].to(dt)) + damping)
+    def derive(self, a: Result, g: Result, damping: float) -> Parts:
+        return {"outer": {"outer": inverse_outer(a, g, damping)}} if self.outer else {}
 
+    def empty(
+        self, part: str, a_dim: int, g_dim: int, device: torch.device, spatial: bool = False
+    ) -> Result:
+        ka, kg = self.rule.rank(a_dim, spatial), self.rule.rank(g_dim, spatial)
+        if part == "outer":
+            return {"outer": torch.empty(kg, ka, dtype=compute_dtype(self.dtype), device=device)}
+        n, k = (a_dim, ka) if part == "a" else (g_dim, kg)
+        return {
+            "q": torch.empty(n, k, dtype=self.dtype, device=device),
+            "eigenvalues": torch.empty(k, dtype=self.dtype, device=device),
+            "rest": torch.empty(1, dtype=self.dtype, device=device),
+        }
 
-def precondition(
-    grad: torch.Tensor, a: Result, g: Result, damping: float, outer: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``(Â ⊗ Ĝ + γI)⁻¹ vec(∇W)`` for the low-rank-plus-scalar factors ``Â``, ``Ĝ``, returned in ``grad``'s
-    dtype.
+    def decomposition_cost(self, n: int, spatial: bool) -> float:
+        return self.rule.decomposition_cost(n, spatial)
 
-    With ``M = U_Gᵀ X``, ``R = X U_A``, ``N = M U_A``, ``D = 1/(λ_G λ_Aᵀ + γ)``, ``d_G = 1/(λ_G c_A + γ)``,
-    ``d_A = 1/(c_G λ_A + γ)``, ``s = 1/(c_G c_A + γ)``, summing the four blocks of ``[U, U⊥]`` on each side:
+    def precondition(
+        self, grad: torch.Tensor, parts: Mapping[str, Result], damping: float
+    ) -> torch.Tensor:
+        """``(Â ⊗ Ĝ + γI)⁻¹ vec(∇W)`` for the low-rank-plus-scalar factors ``Â``, ``Ĝ``, returned in
+        ``grad``'s dtype.
 
-        s X + U_G [diag(d_G − s) M + (N ⊙ (D − d_G 1ᵀ − 1 d_Aᵀ + s)) U_Aᵀ] + R diag(d_A − s) U_Aᵀ
+        With ``M = U_Gᵀ X``, ``R = X U_A``, ``N = M U_A``, ``D = 1/(λ_G λ_Aᵀ + γ)``,
+        ``d_G = 1/(λ_G c_A + γ)``, ``d_A = 1/(c_G λ_A + γ)``, ``s = 1/(c_G c_A + γ)``, summing the four
+        blocks of ``[U, U⊥]`` on each side:
 
-    When both factors are kept whole (k = n) this is :func:`.eigen.precondition` itself.
-    """
-    dt = compute_dtype(a["q"].dtype)
-    qa, qg = a["q"].to(dt), g["q"].to(dt)
-    if outer is None:
-        outer = inverse_outer(a, g, damping)
-    outer = outer.to(dt)
-    x = grad.to(dt)
-    if qa.shape[0] == qa.shape[1] and qg.shape[0] == qg.shape[1]:
-        return (qg @ ((qg.t() @ x @ qa) * outer) @ qa.t()).to(grad.dtype)
-    la, lg = a["eigenvalues"].to(dt), g["eigenvalues"].to(dt)
-    ca, cg = a["rest"].to(dt), g["rest"].to(dt)
-    s = 1.0 / (cg * ca + damping)
-    dg = 1.0 / (lg * ca + damping) - s
-    da = 1.0 / (cg * la + damping) - s
-    m = qg.t() @ x
-    r = x @ qa
-    core = (m @ qa) * (outer - dg[:, None] - da[None, :] - s)
-    t = torch.addmm(m * dg[:, None], core, qa.t())
-    out = torch.addmm(x * s, qg, t)
-    out.addmm_(r * da, qa.t())
-    return out.to(grad.dtype)
+            s X + U_G [diag(d_G − s) M + (N ⊙ (D − d_G 1ᵀ − 1 d_Aᵀ + s)) U_Aᵀ] + R diag(d_A − s) U_Aᵀ
+
+        When both factors are kept whole (k = n) this is :meth:`.EigenMethod.precondition` itself.
+        """
+        a, g = parts["a"], parts["g"]
+        dt = compute_dtype(a["q"].dtype)
+        qa, qg = a["q"].to(dt), g["q"].to(dt)
+        outer = (parts["outer"]["outer"] if self.outer else inverse_outer(a, g, damping)).to(dt)
+        x = grad.to(dt)
+        if qa.shape[0] == qa.shape[1] and qg.shape[0] == qg.shape[1]:
+            return (qg @ ((qg.t() @ x @ qa) * outer) @ qa.t()).to(grad.dtype)
+        la, lg = a["eigenvalues"].to(dt), g["eigenvalues"].to(dt)
+        ca, cg = a["rest"].to(dt), g["rest"].to(dt)
+        s = 1.0 / (cg * ca + damping)
+        dg = 1.0 / (lg * ca + damping) - s
+        da = 1.0 / (cg * la + damping) - s
+        m = qg.t() @ x
+        r = x @ qa
+        core = (m @ qa) * (outer - dg[:, None] - da[None, :] - s)
+        t = torch.addmm(m * dg[:, None], core, qa.t())
+        out = torch.addmm(x * s, qg, t)
+        out.addmm_(r * da, qa.t())
+        return out.to(grad.dtype)
