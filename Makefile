@@ -62,8 +62,8 @@ test: ruff  ## lint and the whole suite: fast tests and recipe smoke runs (PYTES
 	wait $$mypy; typed=$$?; echo "$(MYPY):"; cat $(VENV)/mypy.log; \
 	exit $$(( tests != 0 || typed != 0 ))
 
-bench: $(STAMP)  ## K-FAC overhead benchmark (CPU): step-time ratios K-FAC/SGD with stage breakdown
-	$(BIN)/python -m benchmarks.overhead
+bench: $(STAMP)  ## K-FAC overhead benchmark (CPU): step-time ratios K-FAC/SGD by stage; ARGS=--quick: a smoke run
+	$(BIN)/python -m benchmarks.overhead $(ARGS)
 
 gpu-check: $(STAMP)  ## GPU readiness check on one CUDA device (~5 min) -> gpu-report.json/.md; ARGS=--dry-run: CPU rehearsal
 	$(BIN)/python -m benchmarks.gpu $(ARGS)

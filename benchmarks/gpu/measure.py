@@ -36,13 +36,13 @@ from torch import nn
 
 from benchmarks.conv_factor import ConvShape
 from benchmarks.gpu.report import CADENCES, MEASURING_CADENCE
-from benchmarks.overhead import (
+from benchmarks.training_step import (
     Arm,
     Setup,
     StepTime,
     Workload,
-    _classification,
     bert_workload,
+    classification,
     eigh_check,
     kfac_arguments,
     twins,
@@ -424,7 +424,7 @@ def _resnet_case(dry: bool) -> tuple[Workload, Setup, int, dict[str, Any]]:
         batch, size, model, classes = 64, 224, "torchvision resnet50", 1000
         build = functools.partial(build_torchvision_resnet, "resnet50")
         label = "ResNet-50, 224², batch 64, bf16 autocast, channels_last"
-    w = _classification("resnet50", build, (batch, 3, size, size), classes)
+    w = classification("resnet50", build, (batch, 3, size, size), classes)
     meta = {"label": label, "model": model, "batch": batch, "image_size": size, "precision": "bf16"}
     return w, setup, size, meta | {"channels_last": True, "device": setup.device}
 

@@ -25,7 +25,7 @@ from benchmarks.gpu.measure import (
     side_by_side,
     step_kind,
 )
-from benchmarks.overhead import Setup, _classification
+from benchmarks.training_step import Setup, classification
 from kfac_bench.kfac import STAGES
 from kfac_bench.kfac.layers.conv_factor import fast_method
 from tests.limits import hang_limit
@@ -44,7 +44,7 @@ def _tiny_cnn() -> nn.Module:
 
 
 def _tiny_workload() -> Any:
-    return _classification("tiny", _tiny_cnn, (8, 3, 8, 8), 5)
+    return classification("tiny", _tiny_cnn, (8, 3, 8, 8), 5)
 
 
 # ------------------------------------------------------------------------------------- measurements
@@ -100,7 +100,7 @@ def test_side_by_side_counts_step_kinds_and_amortises_them() -> None:
 
 def test_side_by_side_runs_float16_autocast_with_grad_scalers() -> None:
     # A Linear-only model: the CPU rehearsal of BERT's fp16 + GradScaler path in both arms.
-    w = _classification(
+    w = classification(
         "mlp", lambda: nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3)), (8, 12), 3
     )
     data: dict[str, Any] = {}

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.overhead import _classification, main, measure, parse_variant, table
+from benchmarks.overhead import main, measure, parse_variant, table
+from benchmarks.training_step import classification
 from kfac_bench.kfac import STAGES
 
 
@@ -20,7 +21,7 @@ def _tiny() -> nn.Module:
 
 def test_measure_reports_ratio_stages_floors_and_eigh_check() -> None:
     torch.manual_seed(0)
-    w = _classification("tiny", _tiny, (8, 3, 8, 8), 5)
+    w = classification("tiny", _tiny, (8, 3, 8, 8), 5)
     row = measure(
         w, factor_steps=1, inv_steps=2, cycles=2, variants=("exact", "factor_batch_fraction=0.5")
     )

@@ -17,7 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.overhead import Reference, _classification, main, measure, reference_factory
+from benchmarks.kfac_pytorch_reference import Reference, reference_factory
+from benchmarks.overhead import main, measure
+from benchmarks.training_step import classification
 
 # The constructor's parameters as in kfac-pytorch's kfac/preconditioner.py (KAISA API), defaults included.
 _STAND_IN = '''
@@ -109,7 +111,7 @@ def _built() -> list:
 
 def test_reference_arm_gets_our_hyperparameters_and_is_timed(stand_in: Path) -> None:
     torch.manual_seed(0)
-    w = _classification("tiny", _tiny, (8, 3, 8, 8), 5)
+    w = classification("tiny", _tiny, (8, 3, 8, 8), 5)
     row = measure(
         w,
         factor_steps=1,
