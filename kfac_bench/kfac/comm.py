@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from .assignment import LayerWork
 from .options import Factor
+from .state import tensor_bytes
 
 
 def world_info(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
@@ -45,10 +46,6 @@ def world_info(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     if rank < 0:
         raise ValueError(f"rank {dist.get_rank()} is not a member of the K-FAC process_group")
     return dist.get_world_size(group), rank
-
-
-def _nbytes(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def pack_triu(t: torch.Tensor) -> torch.Tensor:
@@ -143,11 +140,11 @@ class StepReduction:
 
     def waiting_bytes(self) -> int:
         """Bytes of the batch factors added and not yet packed (their bucket is incomplete)."""
-        return _nbytes(*self.tensors.values())
+        return tensor_bytes(*self.tensors.values())
 
     def inflight_bytes(self) -> int:
         """Bytes of the flat buffers of the launched buckets, not yet finished."""
-        return _nbytes(*(f.flat for f in self.pending))
+        return tensor_bytes(*(f.flat for f in self.pending))
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
         """A factor is final for this step: launch every bucket that is now complete, in plan order."""
@@ -162,12 +159,8 @@ class StepReduction:
         """A factor is final for this step, to be sent by :meth:`finish` (launches nothing now)."""
         self.tensors[key] = tensor
 
-    def finish(
-        self, items: Sequence[tuple[str, torch.Tensor, int | None]] = ()
-    ) -> dict[str, torch.Tensor]:
-        """Hold the remaining ``(key, factor, dst)`` items, launch what is left, wait, and unpack."""
-        for key, t, _ in items:
-            self.hold(key, t)
+    def finish(self) -> dict[str, torch.Tensor]:
+        """Launch what is left, wait, and unpack."""
         if not self.comm.distributed:
             local, self.tensors = self.tensors, {}
             return local
@@ -286,12 +279,6 @@ class Communicator:
         """A new step's factor reduction over the planned buckets."""
         return StepReduction(self, getattr(self, "buckets", []))
 
-    def reduce_factors(
-        self, items: Sequence[tuple[str, torch.Tensor, int | None]]
-    ) -> dict[str, torch.Tensor]:
-        """Average all ``(key, factor, dst)`` items at once (see :class:`StepReduction`)."""
-        return self.start_reduction().finish(items)
-
     def _launch(self, b: Bucket, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dist.Work]:
         """Pack ``tensors`` (the factors of ``b``, in its key order) into one flat buffer, start its
         collective, and return both."""
@@ -301,7 +288,7 @@ class Communicator:
             flat = flat.to(self.comm_dtype)
         kind = "factor_allreduce" if b.dst is None else "factor_reduce"
         self.counts[kind] += 1
-        self.payload_bytes[kind] += _nbytes(flat)
+        self.payload_bytes[kind] += tensor_bytes(flat)
         work: dist.Work | None
         if b.dst is None:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
@@ -319,7 +306,7 @@ class Communicator:
             return []
         group = self._block_groups[block]
         self.counts["decomposition_broadcast"] += 1
-        self.payload_bytes["decomposition_broadcast"] += _nbytes(*tensors)
+        self.payload_bytes["decomposition_broadcast"] += tensor_bytes(*tensors)
         return [self._bcast(t, src, group) for t in tensors]
 
     def broadcast_grad(self, grad: torch.Tensor, work: LayerWork) -> list[dist.Work]:
@@ -331,7 +318,7 @@ class Communicator:
         ranks = tuple(range(j, self.world_size, m))
         src = work.grad_workers[j]
         self.counts["grad_broadcast"] += 1
-        self.payload_bytes["grad_broadcast"] += _nbytes(grad)
+        self.payload_bytes["grad_broadcast"] += tensor_bytes(grad)
         return [self._bcast(grad, src, self._recv_groups[ranks])]
 
     def _bcast(self, t: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> dist.Work:
@@ -349,6 +336,6 @@ class Communicator:
         """Synchronous element-wise maximum over the group, in place (small host-side flags)."""
         if self.distributed:
             self.counts[kind] += 1
-            self.payload_bytes[kind] += _nbytes(t)
+            self.payload_bytes[kind] += tensor_bytes(t)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t
