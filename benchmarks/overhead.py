@@ -450,9 +450,8 @@ def main(argv: list[str] | None = None) -> int:
                 workload(name), f, k, args.rounds, warmup, variants=variants, reference=reference
             )
         )
-        print(
-            table(rows[-1:], legend=False) + "\n", flush=True
-        )  # each block once, as it is measured
+        # Each workload's block once, as it is measured; the legend once, under the last.
+        print(table(rows[-1:], legend=False) + "\n", flush=True)
     print(LEGEND)
     meta = {"torch": torch.__version__, "threads": args.threads, "device": "cpu"}
     if args.json:

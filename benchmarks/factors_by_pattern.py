@@ -1,12 +1,12 @@
-"""K-FAC on third-party model code: which layers are exact under which training pattern (README table).
+"""K-FAC on third-party model code: which layers' factors are exact under which training pattern.
 
-Run: ``python -m benchmarks.field_compat [--json PATH]`` (CPU, float64, minutes). Each model is a tiny
-configuration of a torchvision / Hugging Face / timm family (same layer types and forward code as the full
-size, random weights, dropout and stochastic depth off). ResNets are left to the recipe tests: their 4609²
-factors make a float64 eigendecomposition per pattern too slow for this table. For each pattern the
-factors after one factor step (``factor_decay=0``, two accumulated micro-batches) are compared with those
-of the plain eager run of the same model and batches; the plain run itself is what ``tests/kfac`` checks
-against dense float64 factors.
+Run: ``python -m benchmarks.factors_by_pattern [--models M ...] [--patterns P ...] [--json PATH]`` (CPU,
+float64, minutes). Each model is a tiny configuration of a torchvision / Hugging Face / timm family (same
+layer types and forward code as the full size, random weights, dropout and stochastic depth off). ResNets are
+left to the recipe tests: their 4609² factors make a float64 eigendecomposition per pattern too slow for this
+table. For each pattern the factors after one factor step (``factor_decay=0``, two accumulated micro-batches)
+are compared with those of the plain eager run of the same model and batches; the plain run itself is what
+``tests/kfac`` checks against dense float64 factors.
 
 A cell is ``exact`` when every layer preconditioned in the plain run has factors within 1e-9 (relative,
 Frobenius) of the plain run's, else it names the largest difference, and it lists layers left out (with the
@@ -370,12 +370,14 @@ def measure(names: list[str], patterns: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.factors_by_pattern", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--patterns", nargs="*", default=list(PATTERNS))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     result = measure(args.models, tuple(["plain", *[p for p in args.patterns if p != "plain"]]))
     if args.json:
