@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kfac_bench.kfac.layers.conv_factor import (
+from kfac_bench.kfac.layers.conv_unfold import (
     conv2d_a_factor,
     conv2d_a_factor_unfold,
     fast_method,
@@ -113,7 +113,7 @@ def measure(family: str, shapes: Counter[ConvShape], repeats: int) -> list[dict]
                 "family": family,
                 "layer": shape.label(),
                 "count": count,
-                "method": fast_method(x, *args),
+                "method": fast_method(x, *args[:4]),
                 "unfold_ms": unfold_s * 1e3,
                 "fast_ms": fast_s * 1e3,
                 "ratio": unfold_s / fast_s,

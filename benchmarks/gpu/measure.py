@@ -48,12 +48,8 @@ from benchmarks.training_step import (
     twins,
 )
 from kfac_bench.kfac import STAGES
-from kfac_bench.kfac.layers.conv_factor import (
-    conv2d_a_factor,
-    conv2d_a_factor_shift,
-    conv2d_a_factor_unfold,
-    fast_method,
-)
+from kfac_bench.kfac.layers.conv_shift import conv2d_a_factor_shift
+from kfac_bench.kfac.layers.conv_unfold import conv2d_a_factor, conv2d_a_factor_unfold, fast_method
 
 if TYPE_CHECKING:
     from benchmarks.gpu.check import StepContext
@@ -251,7 +247,7 @@ def conv_dispatch(
                 repeats,
                 setup,
             )
-            chosen = fast_method(x, *args)
+            chosen = fast_method(x, *args[:4])
             faster = "shift" if shift_s <= unfold_s else "unfold"
             tie = abs(shift_s - unfold_s) <= DISPATCH_TIE * min(shift_s, unfold_s)
             row.update(

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac_bench.kfac import KFACPreconditioner
-from kfac_bench.kfac.layers.conv_factor import fast_method
+from kfac_bench.kfac.layers.conv_unfold import fast_method
 
 from .reference import eigen_dense, kfac_factors
 
@@ -138,7 +138,7 @@ def check_conv(
     x2 = rec.inputs["2"]
     assert x2.dtype == dtype  # the k×k conv saw the low-precision activation of the 1×1 conv
     # On CPU the fitted cost model picks each path for these shapes; other devices use their own rule.
-    assert device != "cpu" or fast_method(x2, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), True) == path
+    assert device != "cpu" or fast_method(x2, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1)) == path
 
 
 @pytest.mark.parametrize("scaling", ["per_example", "kaisa"])

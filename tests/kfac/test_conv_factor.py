@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from kfac_bench.kfac.layers.conv_cost import choose_method
-from kfac_bench.kfac.layers.conv_factor import (
+from kfac_bench.kfac.layers.conv_shift import conv2d_a_factor_shift
+from kfac_bench.kfac.layers.conv_unfold import (
     conv2d_a_factor,
-    conv2d_a_factor_shift,
     conv2d_a_factor_unfold,
     fast_method,
+    unfold_chunked,
 )
-from kfac_bench.kfac.layers.conv_unfold import unfold_chunked
 
 DT = torch.float64
 
@@ -163,16 +163,13 @@ def test_no_output_positions_is_an_error():
 
 
 def test_dispatch_shift_for_cifar_layers_and_1x1_unfold_for_many_channels_on_tiny_maps():
-    # Both methods are exact (tests above); this pins the choices issue 8's speed-up relies on.
+    # Both methods are exact (tests above); this pins the choices the CIFAR ResNets' speed relies on.
     resnet_3x3 = torch.zeros(128, 16, 32, 32)
     tiny_map = torch.zeros(8, 512, 2, 2)
-    args = ((3, 3), (1, 1), (1, 1, 1, 1), (1, 1), False)
+    args = ((3, 3), (1, 1), (1, 1, 1, 1), (1, 1))
     assert fast_method(resnet_3x3, *args) == "shift"
     assert fast_method(tiny_map, *args) == "unfold"
-    assert (
-        fast_method(torch.zeros(8, 256, 16, 16), (1, 1), (2, 2), (0, 0, 0, 0), (1, 1), False)
-        == "shift"
-    )
+    assert fast_method(torch.zeros(8, 256, 16, 16), (1, 1), (2, 2), (0, 0, 0, 0), (1, 1)) == "shift"
 
 
 def test_dispatch_is_keyed_on_the_device_type():
@@ -184,7 +181,7 @@ def test_dispatch_is_keyed_on_the_device_type():
     for device in ("cuda", "meta", "xpu"):
         assert choose_method(device, shape, *args) == "unfold"
         assert choose_method(device, shape, (1, 1), (2, 2), (0, 0, 0, 0), (1, 1)) == "shift"
-    assert fast_method(torch.zeros(shape, device="meta"), *args, False) == "unfold"
+    assert fast_method(torch.zeros(shape, device="meta"), *args) == "unfold"
 
 
 def test_chunked_unfold_matches_reference():

@@ -83,7 +83,8 @@ def test_cuda_autocast_conv_factors_equal_dense_float64(dtype: torch.dtype) -> N
 def test_cuda_shift_kernel_under_autocast_matches_unfold(dtype: torch.dtype) -> None:
     """The dispatch takes unfold for k×k kernels on CUDA (kfac_bench/kfac/layers/conv_cost.py); the shift
     kernel itself must still be exact there, whatever autocast state it is called in."""
-    from kfac_bench.kfac.layers.conv_factor import conv2d_a_factor_shift, conv2d_a_factor_unfold
+    from kfac_bench.kfac.layers.conv_shift import conv2d_a_factor_shift
+    from kfac_bench.kfac.layers.conv_unfold import conv2d_a_factor_unfold
 
     x = torch.randn(16, 4, 32, 32, generator=torch.Generator().manual_seed(7)).to(dtype)
     args = ((3, 3), (1, 1), (1, 1, 1, 1), (1, 1), True)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import Gram, WeightBiasHandler
-from .conv_factor import conv2d_a_factor
+from .conv_unfold import conv2d_a_factor
 
 
 class Conv2dHandler(WeightBiasHandler):

@@ -1,7 +1,14 @@
-"""Conv2d input factor by unfold + GEMM (im2col): the reference kernel, and a batch-chunked form.
+"""Exact Conv2d input factor ``A = Σ_n Σ_t p pᵀ``: unfold + GEMM (im2col), and the entry point
+:func:`conv2d_a_factor` that picks it or the shift-correlation method of :mod:`.conv_shift` (whose docstring
+has the notation).
 
-Contract shared with :mod:`.conv_shift` (see :mod:`.conv_factor` for the notation): ``S = Σ_n Σ_t p pᵀ`` of
-shape ``(D, D)``, ``D = C·kh·kw (+1 if bias)``, not normalised, in ``x``'s dtype.
+Both kernels share one contract: ``S`` of shape ``(D, D)``, ``D = C·kh·kw (+1 if bias)``, not normalised, in
+``x``'s dtype. ``conv2d_a_factor`` picks, per shape and device type, the shift method (no patch tensor) or
+unfold + GEMM (in batch chunks that bound the patch tensor) with the cost model of :mod:`.conv_cost`. On CPU:
+1×1 kernels always take the shift path (subsample, one GEMM); k×k kernels take it while the bands stay thin
+and the ``kh·kw·(kh·kw+1)/2`` blocks stay cheap to assemble (ResNet-32's CIFAR layers); many channels on
+small maps (ResNet-50 at 64×64 from 8×8 down) and 3-channel 7×7 stems take unfold. Other device types follow
+the rule documented in :mod:`.conv_cost` until they are measured.
 """
 
 from __future__ import annotations
@@ -9,9 +16,45 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from .conv_shift import Padding, Pair, conv_plan
+from .conv_cost import choose_method
+from .conv_shift import Padding, Pair, conv2d_a_factor_shift, conv_plan
 
-__all__ = ["conv2d_a_factor_unfold", "unfold_chunked"]
+__all__ = ["conv2d_a_factor", "conv2d_a_factor_unfold", "fast_method", "unfold_chunked"]
+
+
+def fast_method(
+    x: Tensor, kernel_size: Pair, stride: Pair, padding: Padding, dilation: Pair
+) -> str:
+    """The method :func:`conv2d_a_factor` uses for these arguments: ``'shift'`` or ``'unfold'``."""
+    n, c, h, w = x.shape
+    return choose_method(x.device.type, (n, c, h, w), kernel_size, stride, padding, dilation)
+
+
+def conv2d_a_factor(
+    x: Tensor, kernel_size: Pair, stride: Pair, padding: Padding, dilation: Pair, bias: bool
+) -> Tensor:
+    """Input factor ``S = Σ_n Σ_t p pᵀ`` by the faster exact method for the shape (:func:`fast_method`).
+
+    Same contract as :func:`conv2d_a_factor_unfold`: shape ``(D, D)`` with ``D = C·kh·kw (+1 if bias)``,
+    rows/columns in the order of ``weight.reshape(out_channels, -1)`` with the bias entry last, symmetric,
+    not normalised, computed in ``x``'s dtype (read detached). Which method runs is in the module docstring;
+    unfold runs in batch chunks whose patches hold at most ``max(4·x.numel(), D², 2²²)`` elements.
+
+    Args:
+        x: Conv input, shape ``(N, C, H, W)``, any float dtype (cast to the factor dtype beforehand).
+        kernel_size: ``(kh, kw)``.
+        stride: ``(sh, sw)``.
+        padding: Zero padding ``(top, bottom, left, right)``; may be asymmetric (``padding='same'``).
+        dilation: ``(dh, dw)``.
+        bias: Append the constant 1 to each patch: ``S[-1, -1] = N·T``, ``S[:-1, -1]`` = sum of patches.
+
+    Raises:
+        ValueError: The settings leave no output position (the convolution itself would fail).
+    """
+    x = x.detach()  # a curvature statistic: never part of the autograd graph
+    if fast_method(x, kernel_size, stride, padding, dilation) == "shift":
+        return conv2d_a_factor_shift(x, kernel_size, stride, padding, dilation, bias)
+    return unfold_chunked(x, kernel_size, stride, padding, dilation, bias)
 
 
 def conv2d_a_factor_unfold(
