@@ -38,7 +38,7 @@ def factors(p: KFACPreconditioner) -> dict[str, tuple[torch.Tensor, torch.Tensor
     return {n: (s.a_factor.clone(), s.g_factor.clone()) for n, s in p.layers.items()}
 
 
-# ---------------------------------------------------------------------------------------- item 2: eval mode
+# ---------------------------------------------------------------------------------------- eval mode
 def test_eval_mode_forwards_touch_neither_factors_nor_counters() -> None:
     runs = []
     for extra_eval in (False, True):
@@ -61,7 +61,7 @@ def test_eval_mode_forwards_touch_neither_factors_nor_counters() -> None:
             assert torch.equal(a, b)
 
 
-# ----------------------------------------------------------------- item 3: several forwards per micro-batch
+# ----------------------------------------------------------------- several forwards per micro-batch
 LOCAL, STEPS = 4, 3
 
 
@@ -125,7 +125,7 @@ def test_two_forwards_per_micro_batch_on_two_ranks_equal_one_process() -> None:
                 torch.testing.assert_close(got, w, rtol=1e-10, atol=1e-12)
 
 
-# ---------------------------------------------------------------------- item 4: a layer called k times
+# ---------------------------------------------------------------------- a layer called k times
 class Shared(nn.Module):
     """One Linear applied to k time steps (weight sharing across positions), then a fixed read-out."""
 
@@ -159,7 +159,7 @@ def test_a_layer_called_k_times_is_k_position_sets_of_the_same_examples(scaling:
     torch.testing.assert_close(p.layers["cell"].g_factor, g_ref, rtol=1e-10, atol=1e-12)
 
 
-# ------------------------------------------------------------------------------- item 5: frozen bias
+# ------------------------------------------------------------------------------- frozen bias
 def test_frozen_bias_is_left_out_of_the_block_and_keeps_no_grad() -> None:
     model = mlp()
     model[2].bias.requires_grad_(False)
@@ -182,7 +182,7 @@ def test_frozen_bias_is_left_out_of_the_block_and_keeps_no_grad() -> None:
     torch.testing.assert_close(got, eigen_dense(a_ref, g_ref, raw, 0.01))
 
 
-# --------------------------------------------------------------------- item 6: tied weights (Linear/Conv)
+# --------------------------------------------------------------------- tied weights (Linear/Conv)
 def test_tied_linear_layers_are_left_out_with_one_line_naming_both(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -205,7 +205,7 @@ def test_tied_linear_layers_are_left_out_with_one_line_naming_both(
         )
 
 
-# -------------------------------------------------------------- item 7: first decomposition fails in float64
+# -------------------------------------------------------------- first decomposition fails in float64
 def _failing_eigh(dim: int):  # type: ignore[no-untyped-def]
     real = torch.linalg.eigh
 
@@ -277,7 +277,7 @@ def test_a_failure_on_the_owner_is_agreed_by_every_rank() -> None:
         )  # the same decision (plain gradient, KL clip without it) on both ranks
 
 
-# ------------------------------------------------------------------------ item 8: layers that did not run
+# ------------------------------------------------------------------------ layers that did not run
 class Branchy(nn.Module):
     """``extra`` runs only when asked (a conditional branch, LayerDrop); ``unused`` never runs."""
 

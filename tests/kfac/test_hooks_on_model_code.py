@@ -1,4 +1,4 @@
-"""Hooks meeting real model code (issue 23): in-place ops after a Linear on a 3-D input, reentrant and
+"""Hooks meeting real model code: in-place ops after a Linear on a 3-D input, reentrant and
 non-reentrant activation checkpointing, two backward passes through one graph, keyword inputs, a deepcopy of
 an attached model, handler failures.
 
@@ -67,7 +67,7 @@ def received(
     return {n: (x, out.grad) for n, (x, out) in seen.items()}
 
 
-# ------------------------------------------------------------------ item 1: in-place op after a 3-D Linear
+# ------------------------------------------------------------------ in-place op after a 3-D Linear
 def test_linear_on_a_3d_input_followed_by_an_inplace_relu_gets_exact_factors() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2)).to(D)
@@ -115,7 +115,7 @@ def test_inplace_op_in_the_parent_forward_on_a_3d_linear_output_gets_exact_g() -
     torch.testing.assert_close(p.layers["fc"].g_factor, g_ref, rtol=1e-12, atol=1e-12)
 
 
-# ------------------------------------------------------------------ item 4: activation checkpointing
+# ------------------------------------------------------------------ activation checkpointing
 class Checkpointed(nn.Module):
     def __init__(self, reentrant: bool | None) -> None:
         super().__init__()
@@ -183,7 +183,7 @@ def test_a_model_entirely_under_reentrant_checkpointing_steps() -> None:
     assert all(layer.ready for layer in p.layers.values())
 
 
-# ------------------------------------------------------------------ item 5: semantics
+# ------------------------------------------------------------------ semantics
 def test_two_backward_passes_through_one_graph_raise_naming_the_layer() -> None:
     torch.manual_seed(4)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
@@ -254,7 +254,7 @@ def test_step_after_remove_raises() -> None:
     torch.testing.assert_close(model[0].weight.grad, grad, rtol=0, atol=0)
 
 
-# ------------------------------------------------------------------ item 3: errors name the layer
+# ------------------------------------------------------------------ errors name the layer
 class Doubling(nn.Module):
     """Registered below as a Linear, but its output is twice as wide as its weight says."""
 

@@ -1,4 +1,4 @@
-"""Which layers K-FAC preconditions on third-party model code (issue 23): subclasses with their own forward,
+"""Which layers K-FAC preconditions on third-party model code: subclasses with their own forward,
 layers used functionally (known from the tree or found at run time), sequence-first inputs, layers frozen or
 unfrozen after construction. Each layer is either exact (dense float64 of what it received, or a twin run
 that has no such pattern) or left out with its reason in ``coverage()``.
@@ -22,7 +22,7 @@ from kfac_bench.kfac import (
     unregister_layer_type,
 )
 
-from .test_field2_capture import dense_linear_factors, one_step, received
+from .test_hooks_on_model_code import dense_linear_factors, one_step, received
 
 D = torch.float64
 
