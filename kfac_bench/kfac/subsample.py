@@ -4,8 +4,8 @@
 Martens & Grosse (2015, §5) estimate K-FAC's curvature statistics on a subset of the mini-batch: the
 factors are expectations, a random subset of the examples estimates them without bias, and the running
 average over steps (``factor_decay``) absorbs the extra noise. The price is stated, not hidden: the batch
-factors are noisier (measured on digits: 2.6 %, 4.4 %, 7.1 % preconditioned-gradient error at 1/2, 1/4,
-1/8 of the examples; README "Cheaper factor statistics"), and the factor stage costs about the fraction.
+factors are noisier (the preconditioned-gradient error grows as the fraction shrinks; ``docs/performance.md``
+has the measurements), and the factor stage costs about the fraction.
 
 What the hooks do with ``fraction < 1`` (see :mod:`.capture`):
 
@@ -28,8 +28,8 @@ bias). What the hooks do with ``fraction < 1`` for a layer whose handler has ``a
   positions (every column of a drawn row): a start row ``r`` uniform in ``[0, H_out)``, the rows
   ``r, r+1, …, r+k-1`` modulo ``H_out``, so every row is drawn with probability ``k/H_out``. A run of
   consecutive output rows reads one band of input rows, so A of the block is the same exact kernel on at
-  most two slices of the input, about the fraction of its cost on large maps (measured on one CPU thread:
-  0.25 of the rows of ResNet-32's 32x32 stage cost 0.25x, 16x16 0.34x; on 8x8 maps ~1x: no gain there).
+  most two slices of the input, about the fraction of its cost on large maps (on small maps the fixed
+  costs dominate: little gain there).
   Rows drawn independently would cost *more* than every row (one slice per row);
 * A and G of the call use the same rows (G: the output gradient's rows ``index_select``-ed), so the pair
   describes the same positions;

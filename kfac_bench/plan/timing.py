@@ -67,8 +67,8 @@ class Rates:
 
 
 #: Nominal V100 rates. Decomposition: SC20 Table V measures 2256.64 ms for ResNet-50's eigendecompositions on
-#: 16 V100s, whose round-robin worst rank decomposes factors summing to 1.1177e11 n³ (this planner's count,
-#: checked in tests/plan/test_assignment_claims.py): 2.019e-11 s per n³. GEMM: 15.7 TFLOP/s, the V100 SXM2
+#: 16 V100s, whose round-robin worst rank decomposes factors summing to 1.1177e11 n³ (this planner's count):
+#: 2.019e-11 s per n³. GEMM: 15.7 TFLOP/s, the V100 SXM2
 #: FP32 peak (NVIDIA V100 datasheet). Bandwidth: set per plan (``plan.bandwidth_gb_s``).
 NOMINAL_V100 = Rates(
     decomposition_s_per_n3=2.25664 / 1.1177426944e11,

@@ -101,7 +101,7 @@ def test_reference_layout_overhead_grows_by_the_factor_kaisa_measured(overrides:
     2.91). The measured MB are allocator peaks, which add transients no layout predicts (im2col patches,
     eigensolver workspaces, cached blocks) and which differ between the two ends of a row; what a layout
     determines is how the persistent state grows with the fraction, and that must stay within the range
-    the paper reports. Per model the reference layout gives 1.77, 1.63 and 2.57 (README, Planning a run)."""
+    the paper reports. The per-model ratios are in docs/plan.md."""
     cmp = table5_comparison(load_recipe(overrides))
     assert cmp is not None
     assert 1.5 <= cmp["ratio"]["reference"] <= 2.9, cmp["ratio"]

@@ -128,6 +128,6 @@ def _runs(rows: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-#: Output positions per channel from which the conv G factor takes the batched product (measured on CPU:
-#: 2x faster at T = 64·C, a tie at T = 8·C, 2-16x slower at T <= C).
+#: Output positions per channel from which the conv G factor takes the batched product: with few positions
+#: per channel the batched product's overhead outweighs what it saves.
 _BMM_POSITIONS_PER_CHANNEL = 16

@@ -20,8 +20,8 @@ from .conv_shift import ConvPlan, Padding, Pair, conv_plan
 __all__ = ["RULES", "choose_method"]
 
 # The CPU cost model: work counts times per-unit costs, fitted (weighted by 1/time) to 77 timed
-# layer shapes on the 2-core development machine (float32, 2 threads); median error ~10-15 %. Both
-# methods are exact, so a wrong choice near a tie only costs a little time.
+# layer shapes on the 2-core development machine (float32, 2 threads). Both methods are exact, so a wrong
+# choice near a tie only costs a little time.
 _GEMM_PEAK = 200e9  # FLOP/s of a large float32 GEMM (before _GEMM_SCALE)
 _GEMM_HALF = 32  # square GEMM side at which half the peak is reached (thin GEMMs are memory-bound)
 _GEMM_SCALE = 0.75  # fitted correction of the GEMM rate model

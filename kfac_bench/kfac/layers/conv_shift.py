@@ -186,8 +186,7 @@ def _phase_grids(x: Tensor, stride: Pair, plan: ConvPlan) -> Tensor:
 
     With several grids (a strided convolution) ``x`` is first copied to the grids' ``(C, H, N, W)`` order:
     each grid then gathers its every-``sw``-th column from contiguous rows of all examples instead of from
-    ``N`` places ``C·H·W`` apart (ResNet-32's two stride-2 layers: about 2× faster, 1 thread; the copy is
-    freed on return).
+    ``N`` places ``C·H·W`` apart (the copy is freed on return).
     """
     n, c = x.shape[:2]
     hpad, wpad = plan.pad_shape

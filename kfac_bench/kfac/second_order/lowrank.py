@@ -9,8 +9,8 @@ without ever forming ``U⊥`` (:meth:`EigenLowRankMethod.precondition`).
 
 Which factors: ``k = rank(n)`` is ``ceil(fraction · n)`` for factors of at least ``min_dim`` rows of a layer
 whose positions are not spatial, and ``n`` (exact ``eigh``) otherwise: below the size threshold ``eigh`` is
-cheap, and convolution factors have flat spectra (on ResNet-50, every ≥3× cheaper rank was 9-167 % off in
-the preconditioned gradient), so they stay exact. ``k`` depends only on the shape, so every rank knows the
+cheap, and convolution factors have flat spectra (no rank low enough to save time keeps their
+preconditioned gradient close), so they stay exact. ``k`` depends only on the shape, so every rank knows the
 shapes of the parts it receives.
 
 How: the first decomposition of a factor (or one without a previous basis) is an exact ``eigh`` truncated
@@ -33,8 +33,8 @@ from .eigen import inverse_outer
 
 #: Random columns added to the warm-start basis (oversampling of the range finder).
 OVERSAMPLE = 8
-#: ``eigh`` time over the time of ``n³`` FLOPs of GEMM, for the placement cost model (measured on CPU,
-#: float32, n = 1024-4096, 1 thread: eigh runs at about 1/10 of the GEMM rate per n³).
+#: ``eigh`` time over the time of ``n³`` FLOPs of GEMM, for the placement cost model: ``eigh`` runs at a far
+#: lower FLOP rate than GEMM.
 EIGH_COST_IN_GEMM_FLOPS = 10.0
 
 
