@@ -34,7 +34,9 @@ ELSEWHERE = {
 
 def _placeholder(path: str) -> bool:
     """``recipes/NAME.yaml``, ``runs/<run>``: a pattern a reader fills in, not a path."""
-    return "*" in path or "<" in path or re.search(r"(?<![a-z])[A-Z]{2,}(?![a-z])", path) is not None
+    return (
+        "*" in path or "<" in path or re.search(r"(?<![a-z])[A-Z]{2,}(?![a-z])", path) is not None
+    )
 
 
 def _anchor(heading: str) -> str:
