@@ -49,7 +49,7 @@ from .factors import fold
 from .options import FactorScaling
 from .state import Call, LayerState
 from .subsample import ExampleSubset, PositionSubset
-from .timing import StageTimer
+from .timing import Stage, StageTimer
 
 
 def _graph_task_id() -> int:
@@ -158,7 +158,11 @@ class Capture:
                 rows = self.subset.rows(x, self.backwards, layer.handler.spatial)
                 x = x if rows is None else x.index_select(0, rows)
             pos = self._position_rows(layer, output)
-            with self.timer("factor", sync=False), _no_autocast(x.device.type), _named(layer, "A"):
+            with (
+                self.timer(Stage.FACTOR, sync=False),
+                _no_autocast(x.device.type),
+                _named(layer, "A"),
+            ):
                 if pos is None:
                     a = layer.handler.a_gram(module, x, self.factor_dtype, layer.bias)
                 else:
@@ -230,7 +234,7 @@ class Capture:
                     weight = self.subset.g_weight(g.shape[0], call.rows.numel())
                     g = g.index_select(0, call.rows)
                 with (
-                    self.timer("factor", sync=False),
+                    self.timer(Stage.FACTOR, sync=False),
                     _no_autocast(g.device.type),
                     _named(layer, "G"),
                 ):
@@ -276,7 +280,7 @@ class Capture:
         """Fold the calls of the running backward pass into the layer's factor sums."""
         if not layer.group:
             return
-        with self.timer("factor", sync=False):
+        with self.timer(Stage.FACTOR, sync=False):
             (a_sum, a_n), (g_sum, g_n) = fold(self.scaling, layer.handler.spatial, layer.group)
             layer.a_batch.add(a_sum, a_n)
             layer.g_batch.add(g_sum, g_n)

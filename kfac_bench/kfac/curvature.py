@@ -23,7 +23,7 @@ from .log import WarnOnce
 from .options import Factor, FactorScaling
 from .second_order import Result, SecondOrderMethod
 from .state import LayerState
-from .timing import StageTimer
+from .timing import Stage, StageTimer
 
 _NOT_RUN, _FAILED = 1, 2  # why a rank cannot provide a layer's part (the larger wins across ranks)
 _Job = tuple[LayerState, Factor, torch.Tensor]  # a factor this rank decomposes
@@ -72,11 +72,11 @@ class Curvature:
         """Batch factors of this step -> averaged across ranks -> folded into the running averages."""
         reduction, self._step_reduction = self._step_reduction, None
         reduction = reduction or self.comm.start_reduction()
-        with self.timer("factor"):
+        with self.timer(Stage.FACTOR):
             self._hand_over(reduction)
-        with self.timer("factor_comm"):
+        with self.timer(Stage.FACTOR_COMM):
             reduced = reduction.finish()
-        with self.timer("factor"):
+        with self.timer(Stage.FACTOR):
             self._update_running_factors(reduced, decay)
 
     def _hand_over(self, reduction: StepReduction) -> None:
@@ -104,7 +104,7 @@ class Curvature:
     def update_second_order(self, damping: float) -> None:
         """Decompose (or invert) the factors this rank owns, agree on which layers are ready, and send each
         part to the layer's other gradient workers. A failed decomposition keeps the last good one."""
-        with self.timer("decomposition"):
+        with self.timer(Stage.DECOMPOSITION):
             self._warn_nonfinite_factors()
             jobs, missing = self._owned_factors()
             results = self.method.decompose(
@@ -116,7 +116,7 @@ class Curvature:
             )
             self._keep(jobs, results, missing)
             self._derive(damping)
-        with self.timer("decomposition_comm"):
+        with self.timer(Stage.DECOMPOSITION_COMM):
             self._agree_ready(missing)
             self.broadcast()
 

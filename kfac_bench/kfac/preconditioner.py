@@ -47,7 +47,7 @@ from .schedules import Scheduled, is_due, resolve
 from .second_order import RankRule, second_order_method
 from .state import LayerState, memory_by_category
 from .subsample import ExampleSubset, PositionSubset, check_fraction
-from .timing import STAGES, StageTimer
+from .timing import STAGES, Stage, StageTimer
 
 __all__ = ["STAGES", "KFACPreconditioner", "resolve_dtypes"]
 
@@ -344,9 +344,9 @@ class KFACPreconditioner:
         self, raw: dict[str, torch.Tensor], damping: float
     ) -> dict[str, torch.Tensor]:
         """Preconditioned gradients on the gradient workers, then broadcast to the other ranks."""
-        with self.timer("precondition"):
+        with self.timer(Stage.PRECONDITION):
             grads = self._precondition_gradients(raw, damping)
-        with self.timer("grad_broadcast"):
+        with self.timer(Stage.GRAD_BROADCAST):
             works = []
             for name, g in grads.items():
                 work = self.layers[name].work
@@ -376,7 +376,7 @@ class KFACPreconditioner:
         self, grads: dict[str, torch.Tensor], raw: dict[str, torch.Tensor], step: int
     ) -> None:
         """Scale by the KL-clip factor ν (TPDS eq. 16) and write the gradients back into ``.grad``."""
-        with self.timer("kl_clip"):
+        with self.timer(Stage.KL_CLIP):
             nu = self._kl_clip_scale(grads, raw, step)
         for name, pg in grads.items():
             layer = self.layers[name]

@@ -8,15 +8,23 @@ from collections.abc import Iterator
 
 import torch
 
-STAGES = (
-    "factor",
-    "factor_comm",
-    "decomposition",
-    "decomposition_comm",
-    "precondition",
-    "grad_broadcast",
-    "kl_clip",
-)
+from .options import StrEnum
+
+
+class Stage(StrEnum):
+    """The timed stages of ``step()``, in their order."""
+
+    FACTOR = "factor"
+    FACTOR_COMM = "factor_comm"
+    DECOMPOSITION = "decomposition"
+    DECOMPOSITION_COMM = "decomposition_comm"
+    PRECONDITION = "precondition"
+    GRAD_BROADCAST = "grad_broadcast"
+    KL_CLIP = "kl_clip"
+
+
+#: The stage names, as :meth:`KFACPreconditioner.stage_times` keys them.
+STAGES = tuple(s.value for s in Stage)
 
 
 class StageTimer:
@@ -27,7 +35,7 @@ class StageTimer:
         self.seconds = dict.fromkeys(STAGES, 0.0)
 
     @contextlib.contextmanager
-    def __call__(self, name: str, sync: bool = True) -> Iterator[None]:
+    def __call__(self, name: Stage, sync: bool = True) -> Iterator[None]:
         """Add the block's wall time to stage ``name``. ``sync=False`` (inside hooks, where synchronising
         CUDA per layer would stall the pipeline) measures host time only, exact on CPU."""
         if not self.enabled:
@@ -39,7 +47,7 @@ class StageTimer:
         yield
         if sync:
             _sync()
-        self.seconds[name] += time.perf_counter() - t0
+        self.seconds[name.value] += time.perf_counter() - t0
 
 
 def _sync() -> None:
