@@ -1,5 +1,5 @@
 """``python -m benchmarks.gpu``: the GPU check (``benchmarks/gpu/check.py``)."""
 
-from benchmarks.gpu.check import main
+from benchmarks.gpu import main
 
 raise SystemExit(main())
