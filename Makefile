@@ -19,7 +19,7 @@ unexport PYTHONDONTWRITEBYTECODE
 WARM := torch._dynamo kfac_bench.cli kfac_bench.train.run kfac_bench.models.bert kfac_bench.models.bert_qa
 # pytest-xdist workers (0: one process). Whole test files go to one worker (--dist loadfile), so a module's
 # fixtures (the BERT and SQuAD smoke chains) are built once; most tests wait on subprocesses or sleep.
-# Files go out in collection order, longest first (tests/conftest.py), not xdist's most-tests-first.
+# Files go out in collection order, the end-to-end ones first (tests/conftest.py), not xdist's most-tests-first.
 PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 MYPY   := $(BIN)/mypy kfac_bench/kfac
@@ -48,13 +48,13 @@ ruff: $(STAMP)  ## ruff: lint and format check
 lint: ruff  ## ruff (lint + format check) and mypy on the library
 	$(MYPY)
 
-test-fast: $(STAMP)  ## the fast suite only (no lint, no smoke recipes)
-	$(PYTEST)
+test-fast: $(STAMP)  ## the inner loop: no lint, no end-to-end (slow) or multi-process (distributed) tests
+	$(PYTEST) -m "not slow and not distributed and not gpu"
 
-test-slow: $(STAMP)  ## the recipe smoke runs (pytest -m slow)
-	$(PYTEST) -m slow
+test-slow: $(STAMP)  ## what test-fast leaves out: the end-to-end and multi-process tests
+	$(PYTEST) -m "(slow or distributed) and not gpu"
 
-test: ruff  ## lint and the whole suite: fast tests and recipe smoke runs (PYTEST_WORKERS=2)
+test: ruff  ## lint and the whole suite but the GPU tests: test-fast and test-slow (PYTEST_WORKERS=2)
 	@# mypy (25 s of one core without its cache, as in a clean clone) checks beside the suite, not before it;
 	@# its report follows the suite's, and either failing fails the target.
 	$(MYPY) > $(VENV)/mypy.log 2>&1 & mypy=$$!; \

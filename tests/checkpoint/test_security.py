@@ -195,6 +195,7 @@ def test_init_checkpoint_refuses_a_planted_file(tmp_path: Path) -> None:
     assert not marker.exists() and str(path) in str(info.value)
 
 
+@pytest.mark.slow
 def test_cli_resume_with_a_planted_checkpoint_stops_with_one_line(tmp_path: Path) -> None:
     run_dir, marker = tmp_path / "run", tmp_path / "ran"
     first = run("train", *TINY, "train.epochs=1", "hydra.run.dir=run", cwd=tmp_path)

@@ -174,6 +174,7 @@ def test_paths_that_hold_no_training_checkpoint(phase1: dict[str, Path], tmp_pat
         start_from(weights / "last.pt", *parts)
 
 
+@pytest.mark.slow
 def test_cli_stops_with_one_line(phase1: dict[str, Path], tmp_path: Path) -> None:
     done = run_cli(
         "train",

@@ -328,6 +328,7 @@ def test_cut_off_files_give_one_warning_each_and_the_readable_part(tmp_path: Pat
     assert row["reached"] == "4/4" and row["time_to_target_s"] == statistics.median([1.5] * 4)
 
 
+@pytest.mark.slow
 def test_cli_compares_crashed_runs_with_one_line_warnings(tmp_path: Path) -> None:
     _crashed(tmp_path / "runs")
     result = run_cli("compare", "runs", "--out", "out", cwd=tmp_path)

@@ -60,6 +60,7 @@ def test_formats(two_runs: tuple[Path, Path]) -> None:
     assert [r["run"] for r in parsed] == [sgd, kfac] and list(parsed[0]) == CSV_COLUMNS
 
 
+@pytest.mark.slow
 def test_cli_writes_table_and_a_png_that_opens(two_runs: tuple[Path, Path], tmp_path: Path) -> None:
     result = run_cli(
         "compare", *map(str, two_runs), "--out", "out", "--format", "markdown", cwd=tmp_path
@@ -71,6 +72,7 @@ def test_cli_writes_table_and_a_png_that_opens(two_runs: tuple[Path, Path], tmp_
     assert (tmp_path / "out" / "compare.csv").read_text().startswith("run,kfac,status")
 
 
+@pytest.mark.slow
 def test_missing_or_empty_paths_are_user_errors(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="does not exist"):
         find_runs([tmp_path / "nope"])

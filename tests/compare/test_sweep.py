@@ -41,6 +41,7 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cwd
 
 
+@pytest.mark.slow
 def test_a_sweep_over_recipes_writes_one_folder_with_a_job_per_arm_and_seed(sweep: Path) -> None:
     (folder,) = (sweep / "runs" / "multirun").iterdir()
     jobs = sorted(p.name for p in folder.iterdir() if p.is_dir())
@@ -48,6 +49,7 @@ def test_a_sweep_over_recipes_writes_one_folder_with_a_job_per_arm_and_seed(swee
     assert all((folder / j / "summary.json").is_file() for j in jobs)
 
 
+@pytest.mark.slow
 def test_compare_of_the_sweep_folder_shows_both_arms_over_both_seeds(
     sweep: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -62,6 +64,7 @@ def test_compare_of_the_sweep_folder_shows_both_arms_over_both_seeds(
     assert [r["reached"] for r in rows] == ["2/2", "2/2"]
 
 
+@pytest.mark.slow
 def test_one_arm_alone_is_compared_with_a_warning(sweep: Path) -> None:
     (folder,) = (sweep / "runs" / "multirun").iterdir()
     warnings: list[str] = []

@@ -182,6 +182,7 @@ def test_pairs_follow_or_jump_documents(tmp_path: Path) -> None:
     assert seen[0] > 50 and seen[1] > 50
 
 
+@pytest.mark.slow
 def test_deterministic_and_cli_in_fresh_process(prepared, tmp_path: Path, capsys) -> None:
     corpus = prepared.vocab_file.parent / "pydoc_corpus.txt"
     args = [

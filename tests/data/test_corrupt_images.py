@@ -71,6 +71,7 @@ def test_coco_names_the_truncated_file_through_a_loader(tmp_path: Path, workers:
     _assert_names(caught.value, bad)  # one line, also when re-raised from a worker
 
 
+@pytest.mark.slow
 def test_a_run_with_a_truncated_image_ends_with_one_line_and_status_2(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     root = write_tiny_imagenet(tmp_path / "data", classes=4, per_class=8, size=72)

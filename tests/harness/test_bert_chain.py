@@ -15,6 +15,8 @@ from kfac_bench.config.compose import compose_run
 from tests.harness.util import REPO, cli_env
 from tests.limits import hang_limit
 
+pytestmark = pytest.mark.slow
+
 SCRIPT = REPO / "launch" / "bert_chain.sh"
 
 # Prints job ids 100, 101, ... as `sbatch --parsable` does on a federated cluster ("id;cluster"), after

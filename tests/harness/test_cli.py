@@ -16,6 +16,8 @@ from tests.harness.cli_process import Running, start_cli_process
 from tests.harness.util import TINY, cli_env, console_script, run_cli
 from tests.limits import hang_limit
 
+pytestmark = pytest.mark.slow
+
 
 def test_help_lists_subcommands_and_config_groups(tmp_path: Path) -> None:
     top = subprocess.run(

@@ -7,12 +7,15 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from kfac_bench.launcher import rundir
 from tests.harness.fault_util import one_error_line, processes_mentioning, start
 from tests.harness.util import TINY
 from tests.limits import hang_limit
+
+pytestmark = pytest.mark.slow
 
 
 def test_the_loser_of_two_simultaneous_starts_leaves_no_trace(tmp_path: Path) -> None:

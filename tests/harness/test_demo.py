@@ -23,6 +23,7 @@ def _flat(node: object, prefix: str = "") -> dict[str, object]:
     return out
 
 
+@pytest.mark.slow
 def test_demo_trains_both_arms_and_writes_the_comparison(tmp_path: Path) -> None:
     result = run_cli(
         "demo", "--seeds", "0", "--epochs", "1", "--out", "out", cwd=tmp_path, timeout=240

@@ -13,6 +13,8 @@ import pytest
 from tests.harness.fault_util import eval_steps, one_error_line, records, run, snapshot, summary
 from tests.harness.util import TINY
 
+pytestmark = pytest.mark.slow
+
 #: Checkpoint and evaluate every 3 steps; with the default keep_checkpoints=2, steps 9 and 12 remain.
 EVERY_3 = [*TINY, "train.eval_every_steps=3", "train.checkpoint_every_steps=3", "hydra.run.dir=run"]
 

@@ -128,6 +128,7 @@ def test_targets_on_reported_metrics_pass() -> None:
     check_run(compose_run(["+recipe=digits_smoke", "+train.targets.top5=0.9"]))
 
 
+@pytest.mark.slow
 def test_under_torchrun_the_error_is_printed_once_and_no_rank_starts(tmp_path: Path) -> None:
     result = run_cli(
         "train",
@@ -147,6 +148,7 @@ def test_under_torchrun_the_error_is_printed_once_and_no_rank_starts(tmp_path: P
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_the_launch_scripts_agent_checks_before_starting_ranks(tmp_path: Path) -> None:
     result = subprocess.run(
         [

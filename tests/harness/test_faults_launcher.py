@@ -54,6 +54,8 @@ time.sleep(600)
 _RANK = """
 import sys, time
 import kfac_bench.launcher.lifeline as lifeline
+
+pytestmark = pytest.mark.slow
 if sys.argv[-1] == "poll":
     lifeline._set_parent_death_signal = lambda signum: False
 tied = lifeline.tie_to_agent() if sys.argv[-1] != "untied" else False

@@ -24,6 +24,8 @@ from tests.harness.fault_util import (
 from tests.harness.util import TINY
 from tests.limits import hang_limit
 
+pytestmark = pytest.mark.slow
+
 LONG = [*TINY, "train.epochs=2000", "train.eval_every_steps=3", "train.checkpoint_every_epochs=0"]
 
 

@@ -33,6 +33,7 @@ from tests.harness.util import TINY
 from tests.limits import hang_limit
 
 
+@pytest.mark.slow
 def test_config_drift_is_refused_and_allowed_changes_resume(tmp_path: Path) -> None:
     first = run("train", *TINY, "hydra.run.dir=run", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -71,6 +72,7 @@ def test_config_drift_is_refused_and_allowed_changes_resume(tmp_path: Path) -> N
     assert eval_steps(tmp_path / "run") == [6, 12, 18] and summary(tmp_path / "run")["steps"] == 18
 
 
+@pytest.mark.slow
 def test_a_second_run_in_a_live_directory_is_refused(tmp_path: Path) -> None:
     args = [*TINY, "train.epochs=2000", "train.eval_every_steps=3", "hydra.run.dir=run"]
     first = start("train", *args, cwd=tmp_path)
@@ -96,6 +98,7 @@ def test_a_second_run_in_a_live_directory_is_refused(tmp_path: Path) -> None:
     assert not processes_mentioning(str(tmp_path / "run"))
 
 
+@pytest.mark.slow
 def test_a_killed_run_releases_the_lock_and_its_resume_repeats_no_step(tmp_path: Path) -> None:
     # SIGKILL in step 10: evaluations at 3, 6, 9 are written, the newest checkpoint is step 6 (epoch end).
     args = [
@@ -127,6 +130,7 @@ def test_a_killed_run_releases_the_lock_and_its_resume_repeats_no_step(tmp_path:
     assert loss_steps == sorted(set(loss_steps))
 
 
+@pytest.mark.slow
 def test_runs_started_together_get_their_own_directories(tmp_path: Path) -> None:
     procs = [start("train", *TINY, cwd=tmp_path) for _ in range(2)]
     outs = [p.communicate(timeout=hang_limit(120)) for p in procs]
@@ -173,6 +177,7 @@ def test_a_run_dir_that_cannot_be_written_is_one_line(
     )
 
 
+@pytest.mark.slow
 def test_the_lock_is_per_process_and_released(tmp_path: Path) -> None:
     rundir.lock(tmp_path)
     rundir.lock(tmp_path)  # the holder may ask again

@@ -24,6 +24,8 @@ from tests.harness.fault_util import (
 from tests.harness.util import TINY
 from tests.limits import hang_limit
 
+pytestmark = pytest.mark.slow
+
 RECORD_SRUN = (
     'printf "%s\\n" "$@" > "$SRUN_ARGS"\necho "setup=${KFAC_SETUP_RAN:-no}" >> "$SRUN_ARGS"\n'
 )

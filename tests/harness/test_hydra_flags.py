@@ -94,6 +94,7 @@ def test_cfg_hydra_all_package_and_resolve(
     assert "${" not in out
 
 
+@pytest.mark.slow
 def test_info_hydra_help_and_a_bad_cfg_value(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

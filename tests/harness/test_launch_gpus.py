@@ -105,6 +105,7 @@ def test_no_gpus_from_slurm_is_one_line(tmp_path: Path) -> None:
     assert "no GPU count: submit with --gpus-per-node=N" in one_error_line(err)
 
 
+@pytest.mark.slow
 @NO_CUDA
 def test_a_slurm_job_with_ranks_but_no_gpu_refuses_before_training(tmp_path: Path) -> None:
     # The `--export=ALL,GPUS_PER_NODE=2` form without a GPU request: 2 ranks, no CUDA, train.device=auto.
@@ -118,6 +119,7 @@ def test_a_slurm_job_with_ranks_but_no_gpu_refuses_before_training(tmp_path: Pat
     assert not (tmp_path / "scontrol.log").exists()
 
 
+@pytest.mark.slow
 @NO_CUDA
 def test_launcher_torchrun_on_the_cpu_needs_train_device_cpu(tmp_path: Path) -> None:
     result = run_cli(
@@ -133,6 +135,7 @@ def test_launcher_torchrun_on_the_cpu_needs_train_device_cpu(tmp_path: Path) -> 
     assert not (tmp_path / "run").exists()  # refused before Hydra or torchrun started anything
 
 
+@pytest.mark.slow
 @NO_CUDA
 def test_the_multinode_script_without_a_gpu_count_on_a_cpu_node_is_one_line(tmp_path: Path) -> None:
     env = cli_env()

@@ -43,6 +43,7 @@ def test_a_quoted_path_reads_back_as_itself(path: str) -> None:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "arg", ["hydra.run.dir=/tmp/a,b", "hydra.run.dir=/tmp/ü", "hydra.run.dir=a=b"]
 )

@@ -89,6 +89,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_an_invalid_bundled_recipe_is_one_line_and_the_others_still_work(tmp_path: Path) -> None:
     recipes = tmp_path / "recipes"
     shutil.copytree(recipes_dir(), recipes)

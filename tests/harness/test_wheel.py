@@ -15,6 +15,8 @@ import pytest
 from tests.harness.util import REPO, cli_env
 from tests.limits import hang_limit
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -160,6 +160,7 @@ def _evals(run: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arm", ["lamb", "kfac"])
 def test_phase1_smoke_trains_on_real_shards(smoke_runs: dict[str, Path], arm: str) -> None:
     summary = _summary(smoke_runs[arm])
@@ -199,6 +200,7 @@ def test_phase1_smoke_trains_on_real_shards(smoke_runs: dict[str, Path], arm: st
         assert seconds == pytest.approx(summary["wall_time_s"], abs=0.05)
 
 
+@pytest.mark.slow
 def test_both_arms_see_the_same_data_and_differ_only_by_kfac(smoke_runs: dict[str, Path]) -> None:
     lamb, kfac = (_summary(smoke_runs[a])["config"] for a in ("lamb", "kfac"))
     assert {k for k in lamb if lamb[k] != kfac[k]} == {"kfac", "name"}
@@ -206,6 +208,7 @@ def test_both_arms_see_the_same_data_and_differ_only_by_kfac(smoke_runs: dict[st
     assert len(set(first)) == 1
 
 
+@pytest.mark.slow
 def test_kfac_smoke_on_two_ranks_with_hybrid_opt(
     smoke_runs: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -230,6 +233,7 @@ def test_kfac_smoke_on_two_ranks_with_hybrid_opt(
     assert [e["step"] for e in _evals(tmp_path / "run")] == [4, 8]
 
 
+@pytest.mark.slow
 def test_phase2_starts_from_the_phase1_checkpoint(smoke_runs: dict[str, Path]) -> None:
     summary = _summary(smoke_runs["phase2"])
     assert summary["status"] == "success" and summary["kfac_enabled"]
@@ -295,6 +299,7 @@ def test_prepare_bert_subcommand_writes_shards_the_recipes_read(
     assert len(err) == 1 and "invalid int value: 'many'" in err[0]
 
 
+@pytest.mark.slow
 def test_phase2_refuses_to_start_without_the_phase1_checkpoint(tmp_path: Path) -> None:
     for arm in (True, False):
         cfg = compose_run([f"+recipe={_recipe(2, arm)}", "model.preset=tiny"])

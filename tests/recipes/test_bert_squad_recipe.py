@@ -125,6 +125,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"root": root, "run": run, "data": root / "squad_pydoc"}
 
 
+@pytest.mark.slow
 def test_squad_smoke_writes_predictions_that_squad_eval_scores_as_the_run(
     smoke: dict[str, Path],
 ) -> None:
@@ -267,6 +268,7 @@ def _fails_in_one_line(result: Any, *expected: str) -> None:
         assert text in lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("content", "problem"),
     [
@@ -295,6 +297,7 @@ def test_a_bad_squad_file_stops_training(
     _fails_in_one_line(result, problem)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_that_is_not_bert_pretraining_stops_training(
     smoke: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -311,6 +314,7 @@ def test_a_checkpoint_that_is_not_bert_pretraining_stops_training(
     _fails_in_one_line(result, "is not a BERT pretraining checkpoint")
 
 
+@pytest.mark.slow
 def test_predictions_of_unknown_questions_are_refused(
     smoke: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -322,6 +326,7 @@ def test_predictions_of_unknown_questions_are_refused(
     _fails_in_one_line(result, "1 question id(s)", "'not-a-question'")
 
 
+@pytest.mark.slow
 def test_compare_refuses_a_chain_without_a_squad_run_last(
     smoke: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

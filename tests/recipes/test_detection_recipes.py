@@ -215,6 +215,7 @@ def _summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+@pytest.mark.slow
 def test_kfac_smoke_twin_trains_and_runs_cocoeval(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     root = tmp_path / "coco"
@@ -258,6 +259,7 @@ def test_kfac_smoke_twin_trains_and_runs_cocoeval(tmp_path: Path) -> None:
     assert passed, report
 
 
+@pytest.mark.slow
 def test_sgd_smoke_twin_stops_at_the_first_evaluation_meeting_both_targets(tmp_path: Path) -> None:
     # The smoke set is written on first use by the coco_tiny builder; zero targets are met by any model
     # (8 classes: an untrained head's scores pass the 0.05 detection cut), so stop_at_target ends the

@@ -192,6 +192,7 @@ def test_recipes_start_with_their_launch_command() -> None:
 # Runs on tiny real-format data, synthetic data, and bad dataset directories
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["resnet32_cifar10_smoke", "resnet50_imagenet_smoke"])
 def test_kfac_smoke_twin_trains_through_the_cli(recipe: str, tmp_path: Path) -> None:
     root = tmp_path / "data"
@@ -224,6 +225,7 @@ def test_kfac_smoke_twin_trains_through_the_cli(recipe: str, tmp_path: Path) -> 
         assert passed, report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("recipe", "n_val", "steps"),
     [("resnet32_cifar10_sgd_smoke", 50, 8), ("resnet50_imagenet_sgd_smoke", 8, 3)],
@@ -315,6 +317,7 @@ def _one_line_error(done: object, path: Path, layout: str) -> None:
     assert str(path) in lines[0] and layout in lines[0]
 
 
+@pytest.mark.slow
 def test_missing_cifar10_directory_is_one_line_exit_2(tmp_path: Path) -> None:
     missing = tmp_path / "no-cifar"
     done = run_cli(
@@ -325,6 +328,7 @@ def test_missing_cifar10_directory_is_one_line_exit_2(tmp_path: Path) -> None:
     assert "data_batch_1" in done.stderr and "cifar-10-python.tar.gz" in done.stderr
 
 
+@pytest.mark.slow
 def test_flat_imagenet_val_directory_is_one_line_exit_2(tmp_path: Path) -> None:
     # The raw validation release: JPEGs directly in val/, not sorted into class folders.
     root = write_tiny_imagenet(tmp_path / "imagenet", classes=2, per_class=2, seed=0)

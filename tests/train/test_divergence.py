@@ -113,6 +113,7 @@ def test_json_outputs_of_a_diverged_run_are_strict_json(huge_lr: Path) -> None:
         strict(line.split(":::MLLOG ", 1)[1])
 
 
+@pytest.mark.slow
 def test_the_same_command_refuses_to_resume_a_diverged_run(huge_lr: Path) -> None:
     before = sorted(p.name for p in (huge_lr / "checkpoints").iterdir())
     step = strict((huge_lr / "summary.json").read_text())["divergence"]["step"]
