@@ -46,16 +46,6 @@ class Shaped(Protocol):
 
 
 @dataclass(frozen=True)
-class LayerShape:
-    """A layer's factor sizes without a module (a :class:`Shaped` of its own)."""
-
-    name: str
-    a_dim: int
-    g_dim: int
-    spatial: bool = False
-
-
-@dataclass(frozen=True)
 class LayerWork:
     """Where one layer's K-FAC work runs."""
 

@@ -7,11 +7,12 @@ Usage (any PyTorch loop; with DDP, after its gradient averaging; with AMP, after
     precond.step()
     optimizer.step()
 
-The jobs live in their own modules: :mod:`.capture` (hooks), :mod:`.second_order` (the method, chosen
-once), :mod:`.assignment` and :mod:`.comm` (where work runs and what is sent), :mod:`.checkpoint`,
-:mod:`.registration` (which layers, with which settings). What stays here is the public class: ``step()`` as
-the algorithm, and re-registering layers whose ``requires_grad`` changed, which re-plans placement and
-re-attaches hooks, so it needs every part the class holds.
+The jobs live in their own modules: :mod:`.capture` (hooks), :mod:`.curvature` (stages 1 and 2),
+:mod:`.gradients` (stages 3 and 4), :mod:`.second_order` (the method, chosen once), :mod:`.assignment` and
+:mod:`.comm` (where work runs and what is sent), :mod:`.checkpoint`, :mod:`.registration` (which layers,
+with which settings). What stays here is the public class: ``step()`` as the algorithm, and re-registering
+layers whose ``requires_grad`` changed, which re-plans placement and re-attaches hooks, so it needs every
+part the class holds.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from .capture import Capture
 from .comm import Communicator, factor_entries
 from .coverage import Coverage
 from .curvature import Curvature
+from .gradients import Gradients
 from .layers import handler_for
-from .layers.base import WeightBiasHandler
 from .log import WarnOnce, logger
 from .options import (
     AssignmentStrategy,
@@ -47,7 +48,7 @@ from .schedules import Scheduled, is_due, resolve
 from .second_order import RankRule, second_order_method
 from .state import LayerState, memory_by_category
 from .subsample import ExampleSubset, PositionSubset, check_fraction
-from .timing import STAGES, Stage, StageTimer
+from .timing import STAGES, StageTimer
 
 __all__ = ["STAGES", "KFACPreconditioner", "resolve_dtypes"]
 
@@ -220,6 +221,7 @@ class KFACPreconditioner:
             timer=self.timer,
             warn=self._warn,
         )
+        self.gradients = Gradients(self.layers, self.comm, self.method, self.timer)
         self.capture = Capture(
             self.layers,
             factor_dtype=self.factor_dtype,
@@ -297,9 +299,11 @@ class KFACPreconditioner:
             if is_due(self.inv_update_steps, step):  # 2. second order
                 self.curvature.update_second_order(resolve(self.damping, step))
                 self._check_runtime_coverage()
-            raw = self._layer_gradients(skip=changed)  # 3. precondition
-            grads = self._precondition(raw, resolve(self.damping, step))
-            self._scale_and_write(grads, raw, step)  # 4. KL clip, write
+            raw = self.gradients.raw(skip=changed)  # 3. precondition
+            grads = self.gradients.precondition(raw, resolve(self.damping, step))
+            self.gradients.clip_and_write(
+                grads, raw, self.kl_clip, self.lr, step
+            )  # 4. KL clip, write
         self.steps += 1
         self.capture.start_step(is_due(self.factor_update_steps, self.steps))
 
@@ -321,91 +325,6 @@ class KFACPreconditioner:
                 self.steps,
                 self.accumulation_steps,
             )
-
-    # ------------------------------------------------------------------ stage 3: precondition
-    def _layer_gradients(self, skip: set[str]) -> dict[str, torch.Tensor]:
-        """The ``[W b]`` gradient matrix of each ready layer with a gradient (the others, and ``skip``:
-        layers whose ``requires_grad`` changed, stay plain)."""
-        out = {}
-        for name, layer in self.layers.items():
-            if layer.ready and name not in skip:
-                grad = layer.handler.grad(layer.module, layer.bias)
-                if grad is not None:
-                    if grad.shape != (layer.g_dim, layer.a_dim):
-                        raise RuntimeError(
-                            f"K-FAC layer '{name}' ({type(layer.module).__name__}): its gradient matrix is "
-                            f"{tuple(grad.shape)}, its factors ({layer.g_dim}, {layer.a_dim}); were its "
-                            "parameters replaced after the preconditioner was built?"
-                        )
-                    out[name] = grad
-        return out
-
-    def _precondition(
-        self, raw: dict[str, torch.Tensor], damping: float
-    ) -> dict[str, torch.Tensor]:
-        """Preconditioned gradients on the gradient workers, then broadcast to the other ranks."""
-        with self.timer(Stage.PRECONDITION):
-            grads = self._precondition_gradients(raw, damping)
-        with self.timer(Stage.GRAD_BROADCAST):
-            works = []
-            for name, g in grads.items():
-                work = self.layers[name].work
-                assert work is not None
-                works += self.comm.broadcast_grad(g, work)
-            for w in works:
-                w.wait()
-        return grads
-
-    def _precondition_gradients(
-        self, raw: dict[str, torch.Tensor], damping: float
-    ) -> dict[str, torch.Tensor]:
-        """Preconditioned gradients where this rank is a gradient worker, else receive buffers."""
-        out = {}
-        for name, grad in raw.items():
-            layer = self.layers[name]
-            work = layer.work
-            assert work is not None
-            if self.comm.rank not in work.grad_workers:
-                out[name] = torch.empty_like(grad)  # receive buffer for the gradient broadcast
-                continue
-            out[name] = self.method.precondition(grad, layer.parts, damping)
-        return out
-
-    # ------------------------------------------------------------------ stage 4: KL clip, write
-    def _scale_and_write(
-        self, grads: dict[str, torch.Tensor], raw: dict[str, torch.Tensor], step: int
-    ) -> None:
-        """Scale by the KL-clip factor ν (TPDS eq. 16) and write the gradients back into ``.grad``."""
-        with self.timer(Stage.KL_CLIP):
-            nu = self._kl_clip_scale(grads, raw, step)
-        for name, pg in grads.items():
-            layer = self.layers[name]
-            handler = layer.handler
-            if (
-                nu is not None
-                and isinstance(handler, WeightBiasHandler)
-                and type(handler).set_grad is WeightBiasHandler.set_grad
-            ):
-                # Linear/Conv2d: scale while writing, one pass over the gradient.
-                handler.set_grad(layer.module, pg, layer.bias, scale=nu)
-                continue
-            if (
-                nu is not None
-            ):  # in place: ``pg`` is this step's own buffer (a result or a receive buffer)
-                pg.mul_(nu if nu.dtype == pg.dtype else nu.to(pg.dtype))
-            layer.handler.set_grad(layer.module, pg, layer.bias)
-
-    def _kl_clip_scale(
-        self, grads: dict[str, torch.Tensor], raw: dict[str, torch.Tensor], step: int
-    ) -> torch.Tensor | None:
-        """ν = min(1, sqrt(κ / |Σ_layers lr²·⟨∇̃W, ∇W⟩|)) as a device scalar: no host synchronisation."""
-        if self.kl_clip is None or not grads:
-            return None
-        kappa = resolve(self.kl_clip, step)
-        lr = resolve(self.lr, step)
-        vg = torch.stack([_inner(pg, raw[name]) for name, pg in grads.items()]).sum() * lr**2
-        # |vg| = 0 gives sqrt(inf) -> clamped to 1: no scaling, as the reference does.
-        return torch.sqrt(kappa / vg.abs()).clamp(max=1.0)
 
     # ------------------------------------------------------------------ introspection / lifecycle
     def stage_times(self) -> dict[str, float]:
@@ -484,15 +403,12 @@ class KFACPreconditioner:
             w, b = layer.handler.parameters(layer.module)
             out[name] = (w.requires_grad, b is not None and b.requires_grad)
         for name in self._scan.frozen:
-            w, b = self._scan_handler(name)
+            module = self.model.get_submodule(name)
+            handler = handler_for(module)
+            assert handler is not None
+            w, b = handler.parameters(module)
             out[name] = (w.requires_grad, b is not None and b.requires_grad)
         return out
-
-    def _scan_handler(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        module = self.model.get_submodule(name)
-        handler = handler_for(module)
-        assert handler is not None
-        return handler.parameters(module)
 
     @contextlib.contextmanager
     def _following_requires_grad(self) -> Iterator[set[str]]:
@@ -519,7 +435,7 @@ class KFACPreconditioner:
             new[spec.name] = layer
         for layer in old.values():
             layer.remove_hooks()
-        self.layers.clear()  # shared with capture and curvature
+        self.layers.clear()  # shared with capture, curvature and gradients
         self.layers.update(new)
         self._scan = scan
         self._trainable = self._trainable_now()
@@ -570,14 +486,6 @@ class KFACPreconditioner:
         """Restore a :meth:`state_dict`. Factors land on each layer's device; decompositions are taken from
         the state when saved, else recomputed now from the restored factors."""
         checkpoint.restore_state(self, state)
-
-
-def _inner(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``⟨a, b⟩`` as a float64 scalar: one dot product without a temporary for float32/float64 matrices
-    (BLAS accumulates in the input precision), else summed in float64."""
-    if a.dtype == b.dtype and a.dtype in (torch.float32, torch.float64):
-        return torch.vdot(a.reshape(-1), b.reshape(-1)).to(torch.float64)
-    return (a * b).sum(dtype=torch.float64)
 
 
 def resolve_dtypes(

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import dataclass
 
 import pytest
 
 from kfac_bench.kfac.assignment import (
-    LayerShape,
     assign,
     grad_workers_per_layer,
     lpt,
@@ -47,6 +47,16 @@ def test_lpt_within_four_thirds_of_the_optimum(seed: int) -> None:
     m = rng.choice([2, 3])
     costs = [float(rng.randint(1, 30)) for _ in range(rng.randint(m + 1, 7))]
     assert makespan(costs, lpt(costs, m), m) <= (4 / 3 - 1 / (3 * m)) * optimum(costs, m) + 1e-9
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """A layer's factor sizes without a module, as placement reads them."""
+
+    name: str
+    a_dim: int
+    g_dim: int
+    spatial: bool = False
 
 
 def cube(n: int, spatial: bool) -> float:

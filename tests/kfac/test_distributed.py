@@ -287,7 +287,7 @@ def failing_worker(rank: int, world: int) -> None:
         def boom(*args: Any) -> None:
             raise RuntimeError("injected failure inside step() on rank 1")
 
-        p._precondition_gradients = boom  # type: ignore[method-assign]
+        p.gradients.precondition = boom  # type: ignore[method-assign]
     train(model, p, world, rank, range(3), sync_grads=True)
 
 

@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kfac_bench.kfac import KFACPreconditioner
-from kfac_bench.kfac.assignment import LayerShape, assign
+from kfac_bench.kfac.assignment import assign
 from kfac_bench.kfac.second_order import EigenLowRankMethod, EigenMethod, RankRule, Result
 
 from ..distributed import run_distributed
+from .test_assignment import LayerShape
 from .test_distributed import global_batch, kfac_kwargs, make_model, train
 
 D = torch.float64

@@ -16,9 +16,11 @@ import torch
 from torch import nn
 
 from kfac_bench.kfac import FactorReduction, KFACPreconditioner, Placement, scan_model
-from kfac_bench.kfac.assignment import LayerShape, assign
+from kfac_bench.kfac.assignment import assign
 from kfac_bench.plan.costs import Scenario, equal_group_workers, rank_loads
 from kfac_bench.plan.recipe import engine_settings
+
+from ..kfac.test_assignment import LayerShape
 
 #: Factors from 16 rows on are low rank under ``eigen_lowrank`` (the Linear ones).
 LOWRANK = {"lowrank_fraction": 0.25, "lowrank_min_dim": 16}
