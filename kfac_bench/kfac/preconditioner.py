@@ -301,9 +301,8 @@ class KFACPreconditioner:
                 self._check_runtime_coverage()
             raw = self.gradients.raw(skip=changed)  # 3. precondition
             grads = self.gradients.precondition(raw, resolve(self.damping, step))
-            self.gradients.clip_and_write(
-                grads, raw, self.kl_clip, self.lr, step
-            )  # 4. KL clip, write
+            # 4. KL clip, write
+            self.gradients.clip_and_write(grads, raw, self.kl_clip, self.lr, step)
         self.steps += 1
         self.capture.start_step(is_due(self.factor_update_steps, self.steps))
 
