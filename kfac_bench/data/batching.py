@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kfac_bench.errors import ConfigError
 
-__all__ = ["BatchPlan", "accumulation_steps", "plan_batches"]
+__all__ = ["BatchLayout", "accumulation_steps", "batch_layout"]
 
 
 def accumulation_steps(
@@ -51,7 +51,7 @@ def accumulation_steps(
 
 
 @dataclass(frozen=True)
-class BatchPlan:
+class BatchLayout:
     """How one epoch of one rank splits into micro-batches and optimizer steps.
 
     Attributes:
@@ -77,7 +77,7 @@ class BatchPlan:
         return self.batch_size * self.accumulation_steps * self.world_size
 
 
-def plan_batches(
+def batch_layout(
     *,
     samples_per_rank: int,
     batch_size: int,
@@ -85,8 +85,8 @@ def plan_batches(
     global_batch: int | None = None,
     accumulation: int = 1,
     limit_micro_batches: int | None = None,
-) -> BatchPlan:
-    """The epoch plan for ``samples_per_rank`` training examples on each rank.
+) -> BatchLayout:
+    """The epoch layout for ``samples_per_rank`` training examples on each rank.
 
     Args:
         samples_per_rank: examples the training sampler gives one rank per epoch.
@@ -111,4 +111,4 @@ def plan_batches(
             f"an epoch has no optimizer step: {samples_per_rank} examples per rank, batch_size "
             f"{batch_size}, accumulation {accum}"
         )
-    return BatchPlan(batch_size, world_size, accum, micro)
+    return BatchLayout(batch_size, world_size, accum, micro)

@@ -8,8 +8,8 @@ Three kinds of traffic (TPDS §4.3; KAISA §3.1):
 
 Every rank issues the same collectives in the same order (the order of the preconditioner's layer list),
 which is what makes asynchronous launch safe. ``counts`` tallies collectives by kind for tests and metrics,
-``payload_bytes`` the bytes they carry. The factor bucket plan is a pure function of the placement
-(:func:`factor_entries`, :func:`plan_buckets`), so a planner computes it without a process group.
+``payload_bytes`` the bytes they carry. The factor buckets are a pure function of the placement
+(:func:`factor_entries`, :func:`make_buckets`), so a planner computes it without a process group.
 
 All of it runs over one process group (default: the world): ranks, blocks and owners are ranks *of that
 group*, translated to global ranks where torch.distributed expects them (``src``/``dst``). The block and
@@ -84,7 +84,7 @@ def factor_entries(
     ]
 
 
-def plan_buckets(
+def make_buckets(
     entries: Sequence[tuple[str, int, int | None]],
     element_size: int,
     bucket_cap_mb: float,
@@ -225,7 +225,7 @@ class Communicator:
         self.payload_bytes: Counter[str] = Counter()
         self._block_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self._recv_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-        self.set_plan(plan)
+        self.set_groups(plan)
 
     @property
     def distributed(self) -> bool:
@@ -239,7 +239,7 @@ class Communicator:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def set_plan(self, plan: dict[str, LayerWork]) -> None:
+    def set_groups(self, plan: dict[str, LayerWork]) -> None:
         """Create (once) this rank's block and receiver groups. Collective over the members of each."""
         if not self.distributed or not plan:
             return
@@ -266,12 +266,12 @@ class Communicator:
         return group
 
     # ---------------------------------------------------------------- factors
-    def plan_buckets(
+    def set_buckets(
         self, entries: Sequence[tuple[str, int, int | None]], element_size: int
     ) -> None:
-        """Fix the factor buckets (:func:`plan_buckets`): ``(key, dim, dst)`` in backward order (the order
+        """Fix the factor buckets (:func:`make_buckets`): ``(key, dim, dst)`` in backward order (the order
         factors become ready, :func:`factor_entries`), ``element_size`` that of the factor dtype."""
-        self.buckets: list[Bucket] = plan_buckets(
+        self.buckets: list[Bucket] = make_buckets(
             entries, element_size, self.bucket_cap_mb, self.symmetry_aware
         )
 

@@ -255,9 +255,9 @@ class KFACPreconditioner:
         plan = self._placement(self.comm.world_size)
         for name, work in plan.items():
             self.layers[name].work = work
-        self.comm.set_plan(plan)
+        self.comm.set_groups(plan)
         entries = factor_entries(plan, self.factor_reduction is FactorReduction.REDUCE)
-        self.comm.plan_buckets(entries, torch.empty((), dtype=self.factor_dtype).element_size())
+        self.comm.set_buckets(entries, torch.empty((), dtype=self.factor_dtype).element_size())
 
     def _placement(self, world_size: int) -> dict[str, asg.LayerWork]:
         """Where each layer's work runs on ``world_size`` ranks: :func:`~.assignment.assign`, the rule

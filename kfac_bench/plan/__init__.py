@@ -2,7 +2,7 @@
 
 :mod:`.config` (the ``plan.*`` keys) → :mod:`.recipe` (the full-size model on the meta device, the engine's
 scan and settings) → :mod:`.costs` (per-rank memory, traffic and decomposition load of one world size ×
-fraction × placement × factor reduction, with the engine's ``assign`` and ``plan_buckets``) → :mod:`.timing`
+fraction × placement × factor reduction, with the engine's ``assign`` and ``make_buckets``) → :mod:`.timing`
 and :mod:`.profile` (seconds per stage) → :mod:`.report` and :mod:`.plot` (``plan.json``, the table,
 ``plan.png``); :mod:`.reference` sets KAISA Table 5 beside the reference code's layout. It imports the engine,
 configs, data and models, never the training loop.

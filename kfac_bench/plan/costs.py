@@ -2,7 +2,7 @@
 
 Everything here is the engine's own rule applied to layer shapes: the placement is
 :func:`kfac_bench.kfac.assignment.assign` with the method's decomposition cost, the factor buckets are
-:func:`kfac_bench.kfac.comm.plan_buckets` over :func:`~kfac_bench.kfac.comm.factor_entries`, the
+:func:`kfac_bench.kfac.comm.make_buckets` over :func:`~kfac_bench.kfac.comm.factor_entries`, the
 second-order parts have the shapes and dtypes of the method's own receive buffers
 (``SecondOrderMethod.empty``). The memory categories are those of ``KFACPreconditioner.memory_usage()`` at
 their peaks; the collectives and their payloads are those ``Communicator.counts`` / ``payload_bytes``
@@ -21,7 +21,7 @@ import torch
 
 from kfac_bench.kfac import FactorReduction, LayerSpec, Placement
 from kfac_bench.kfac.assignment import LayerWork, assign
-from kfac_bench.kfac.comm import Bucket, factor_entries, plan_buckets
+from kfac_bench.kfac.comm import Bucket, factor_entries, make_buckets
 from kfac_bench.kfac.options import ComputeMethod
 
 from .recipe import EngineSettings
@@ -168,7 +168,7 @@ def rank_loads(
     # as every rank packs every bucket, reduce targets or not; a preconditioned-gradient broadcast per layer
     # when m < world.
     buckets = (
-        plan_buckets(
+        make_buckets(
             factor_entries(work, reduce), f_size, settings.bucket_cap_mb, settings.symmetry_aware
         )
         if n > 1
@@ -218,7 +218,7 @@ def buffer_peaks(
     the last backward pass (KFACPreconditioner.memory_usage gives what each category holds).
 
     The backward pass is taken to reach the layers in the reverse of their registration order, the order
-    of the bucket plan (``buckets``: :func:`~kfac_bench.kfac.comm.plan_buckets`, empty for one process);
+    of the factor buckets (``buckets``: :func:`~kfac_bench.kfac.comm.make_buckets`, empty for one process);
     ``f_size``, ``c_size``: bytes per element of the factor and the communication dtype.
     """
     # Accumulating: the earlier micro-batches' sums, beside the last one's pending input factor.

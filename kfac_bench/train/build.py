@@ -32,7 +32,7 @@ from kfac_bench.config.compose import instantiate
 from kfac_bench.config.kfac_adapter import build_preconditioner
 from kfac_bench.config.schema import Precision
 from kfac_bench.data.base import DataSplits
-from kfac_bench.data.batching import BatchPlan, plan_batches
+from kfac_bench.data.batching import BatchLayout, batch_layout
 from kfac_bench.data.loader import build_loaders
 from kfac_bench.launcher.distributed import DistEnv
 from kfac_bench.launcher.signals import PreemptionFlag
@@ -68,14 +68,14 @@ class Run:
     """Everything one run is made of, ready to resume and train.
 
     ``loop`` holds what the loop touches; ``checkpoints`` saves and restores the stateful parts;
-    ``recorder`` writes the measurements; ``plan`` is the batch arithmetic of this job; ``world`` the world
+    ``recorder`` writes the measurements; ``batches`` is the batch arithmetic of this job; ``world`` the world
     the run started with (:mod:`kfac_bench.checkpoint.elastic`).
     """
 
     loop: Loop
     checkpoints: CheckpointManager
     recorder: Recorder
-    plan: BatchPlan
+    batches: BatchLayout
     stages: StageTimes
     world: World
 
@@ -140,22 +140,22 @@ def build_run(
         pin_memory=device.type == "cuda",
         eval_batch_size=t.eval_batch_size,
     )
-    plan, world = _plan(cfg, splits, env.world_size, starting_world_size or env.world_size)
-    sampler.cover(plan.steps_per_epoch * plan.global_batch)
+    batches, world = _batches(cfg, splits, env.world_size, starting_world_size or env.world_size)
+    sampler.cover(batches.steps_per_epoch * batches.global_batch)
     w0 = world.world_size  # the hyperparameters' world size
-    max_steps = min(t.epochs * plan.steps_per_epoch, t.max_steps or sys.maxsize)
+    max_steps = min(t.epochs * batches.steps_per_epoch, t.max_steps or sys.maxsize)
     epochs = t.epochs
     benchmark = str(t.mode.value) == "benchmark"
     if benchmark:  # warm-up and timed steps, over as many epochs as they take
         max_steps = t.benchmark_warmup_steps + t.benchmark_steps
-        epochs = -(-max_steps // plan.steps_per_epoch)
+        epochs = -(-max_steps // batches.steps_per_epoch)
     precision = Precision(t.precision)
     fp16_on_cuda = device.type == "cuda" and precision is Precision.fp16
     scaler = torch.amp.GradScaler("cuda") if fp16_on_cuda else None
     optimizer = build_optimizer(module, cfg.optimizer, w0)
     factor = lr_factor(
         cfg.lr_schedule,
-        plan.steps_per_epoch,
+        batches.steps_per_epoch,
         max_steps,
         w0,
         base_lr=base_lr(cfg.optimizer, w0),
@@ -164,9 +164,9 @@ def build_run(
     precond = build_preconditioner(
         module,
         cfg.kfac,
-        steps_per_epoch=plan.steps_per_epoch,
+        steps_per_epoch=batches.steps_per_epoch,
         world_size=w0,
-        accumulation_steps=plan.accumulation_steps,
+        accumulation_steps=batches.accumulation_steps,
         lr=lambda step: optimizer.param_groups[0]["lr"],
         grad_scaler=scaler,
     )
@@ -180,7 +180,7 @@ def build_run(
     state = TrainState(
         world_size=env.world_size,
         batch_size=t.batch_size,
-        global_batch=plan.global_batch,
+        global_batch=batches.global_batch,
         reference_world_size=w0,
     )
     tracker = TargetTracker(dict(t.targets), task.target_metric, bool(task.higher_is_better))
@@ -199,7 +199,7 @@ def build_run(
         benchmark=t.benchmark_name,
         facts=run_facts(
             cfg,
-            plan=plan,
+            batches=batches,
             splits=splits,
             max_steps=max_steps,
             world_size=env.world_size,
@@ -253,8 +253,8 @@ def build_run(
         recorder=recorder,
         checkpoints=checkpoints,
         preempt=PreemptionFlag(),
-        accumulation_steps=plan.accumulation_steps,
-        micro_per_epoch=plan.micro_per_epoch,
+        accumulation_steps=batches.accumulation_steps,
+        micro_per_epoch=batches.micro_per_epoch,
         epochs=epochs,
         max_steps=max_steps,
         world_size=env.world_size,
@@ -269,13 +269,13 @@ def build_run(
         limit_eval_batches=t.limit_eval_batches,
         step_timer=StepTimer(t.benchmark_warmup_steps) if benchmark else None,
     )
-    return Run(loop, checkpoints, recorder, plan, stages, world)
+    return Run(loop, checkpoints, recorder, batches, stages, world)
 
 
-def _plan(
+def _batches(
     cfg: DictConfig, splits: DataSplits, world_size: int, starting_world_size: int
-) -> tuple[BatchPlan, World]:
-    """This job's batch plan and the run's starting world: the epoch and the global batch are planned on
+) -> tuple[BatchLayout, World]:
+    """This job's batch layout and the run's starting world: the epoch and the global batch are planned on
     ``starting_world_size`` ranks; ``world_size`` ranks keep them with their own accumulation.
 
     Raises:
@@ -283,7 +283,7 @@ def _plan(
     """
     t = cfg.train
     n = len(splits.train)  # type: ignore[arg-type]
-    start = plan_batches(
+    start = batch_layout(
         samples_per_rank=math.ceil(n / starting_world_size),  # DistributedSampler's shard
         batch_size=t.batch_size,
         world_size=starting_world_size,
@@ -295,5 +295,7 @@ def _plan(
     if world_size == starting_world_size:
         return start, world
     accumulation = accumulation_for(world, world_size)
-    plan = BatchPlan(t.batch_size, world_size, accumulation, start.steps_per_epoch * accumulation)
-    return plan, world
+    batches = BatchLayout(
+        t.batch_size, world_size, accumulation, start.steps_per_epoch * accumulation
+    )
+    return batches, world

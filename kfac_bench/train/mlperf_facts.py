@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from kfac_bench.config.schema import OptimizerName, ScheduleName, ScheduleUnit, WarmupMethod
 from kfac_bench.data.base import DataSplits
-from kfac_bench.data.batching import BatchPlan
+from kfac_bench.data.batching import BatchLayout
 from kfac_bench.metrics.mlperf import RunFacts
 from kfac_bench.train.optim import base_lr, schedule_steps
 
@@ -29,7 +29,7 @@ __all__ = ["run_facts"]
 def run_facts(
     cfg: DictConfig,
     *,
-    plan: BatchPlan,
+    batches: BatchLayout,
     splits: DataSplits,
     max_steps: int,
     world_size: int,
@@ -55,19 +55,19 @@ def run_facts(
         eval_samples=eval_samples,
         targets=dict(t.targets),
         primary=primary,
-        hyperparameters=hyperparameters(cfg, plan, max_steps, starting_world_size or world_size),
+        hyperparameters=hyperparameters(cfg, batches, max_steps, starting_world_size or world_size),
     )
 
 
 def hyperparameters(
-    cfg: DictConfig, plan: BatchPlan, max_steps: int, world_size: int
+    cfg: DictConfig, batches: BatchLayout, max_steps: int, world_size: int
 ) -> dict[str, Any]:
     """MLPerf key -> value for the run's batch, optimizer, schedule, model and K-FAC settings."""
     t, o, s = cfg.train, cfg.optimizer, cfg.lr_schedule
     lr = base_lr(o, world_size)
     hp: dict[str, Any] = {
-        "global_batch_size": plan.global_batch,
-        "gradient_accumulation_steps": plan.accumulation_steps,
+        "global_batch_size": batches.global_batch,
+        "gradient_accumulation_steps": batches.accumulation_steps,
         "seed": t.seed,
         "opt_name": str(OptimizerName(o.name).value),
         "opt_base_learning_rate": lr,
@@ -90,7 +90,7 @@ def hyperparameters(
     else:
         hp.update(opt_adamw_beta_1=o.betas[0], opt_adamw_beta_2=o.betas[1], opt_adamw_epsilon=o.eps)
         hp["opt_adamw_weight_decay"] = o.weight_decay
-    hp.update(_schedule(s, plan.steps_per_epoch, max_steps, world_size))
+    hp.update(_schedule(s, batches.steps_per_epoch, max_steps, world_size))
     if t.benchmark_name == "resnet":
         hp["model_bn_span"] = t.batch_size  # batch norm statistics over each process's micro-batch
     model = cfg.model

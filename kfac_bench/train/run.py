@@ -120,11 +120,11 @@ def _train(
         print(
             f"kfac-bench: run dir {run_dir} | world {env.world_size} on {device} | "
             f"kfac {'on' if loop.precond is not None else 'off'} | "
-            f"{run.plan.steps_per_epoch} steps/epoch, global batch {run.plan.global_batch}"
+            f"{run.batches.steps_per_epoch} steps/epoch, global batch {run.batches.global_batch}"
             + (f" | resumed at step {state.step}" if resumed else "")
             + (
                 f" (run started on {run.world.world_size} ranks: "
-                f"{run.plan.accumulation_steps} accumulation steps keep its global batch)"
+                f"{run.batches.accumulation_steps} accumulation steps keep its global batch)"
                 if moved
                 else ""
             ),
@@ -133,12 +133,12 @@ def _train(
     # Records after the resumed step belong to a future this run no longer has: drop them.
     run.recorder.rewind(state.step)
     run.recorder.start(
-        run.plan.global_batch,
+        run.batches.global_batch,
         resumed,
         world={
             "world_size": env.world_size,
             "platform": run.recorder.mlperf.facts.platform,
-            "gradient_accumulation_steps": run.plan.accumulation_steps,
+            "gradient_accumulation_steps": run.batches.accumulation_steps,
         },
     )
 
@@ -191,7 +191,7 @@ def _summarize(
         status=status,
         tracker=loop.tracker,
         steps=state.step,
-        steps_per_epoch=run.plan.steps_per_epoch,
+        steps_per_epoch=run.batches.steps_per_epoch,
         samples=state.samples,
         wall_time_s=state.wall.elapsed,
         train_time_s=state.train_clock.elapsed,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kfac_bench.data.batching import accumulation_steps, plan_batches
+from kfac_bench.data.batching import accumulation_steps, batch_layout
 from kfac_bench.errors import ConfigError
 
 
@@ -45,12 +45,12 @@ def test_batches_that_do_not_fit_are_one_line_errors_naming_a_fix() -> None:
 
 def test_plan_counts_whole_optimizer_steps_per_epoch() -> None:
     # 1437 digits training examples on 2 ranks: 719 per rank (DistributedSampler pads), 22 batches of 32.
-    plan = plan_batches(samples_per_rank=719, batch_size=32, world_size=2, accumulation=4)
-    assert (plan.accumulation_steps, plan.micro_per_epoch, plan.steps_per_epoch) == (4, 20, 5)
-    assert plan.global_batch == 32 * 4 * 2
-    cut = plan_batches(samples_per_rank=719, batch_size=32, world_size=2, limit_micro_batches=7)
+    layout = batch_layout(samples_per_rank=719, batch_size=32, world_size=2, accumulation=4)
+    assert (layout.accumulation_steps, layout.micro_per_epoch, layout.steps_per_epoch) == (4, 20, 5)
+    assert layout.global_batch == 32 * 4 * 2
+    cut = batch_layout(samples_per_rank=719, batch_size=32, world_size=2, limit_micro_batches=7)
     assert (cut.micro_per_epoch, cut.steps_per_epoch) == (7, 7)
-    derived = plan_batches(samples_per_rank=100, batch_size=8, world_size=1, global_batch=16)
+    derived = batch_layout(samples_per_rank=100, batch_size=8, world_size=1, global_batch=16)
     assert (derived.accumulation_steps, derived.micro_per_epoch, derived.steps_per_epoch) == (
         2,
         12,
@@ -60,4 +60,4 @@ def test_plan_counts_whole_optimizer_steps_per_epoch() -> None:
 
 def test_an_epoch_without_a_step_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="an epoch has no optimizer step"):
-        plan_batches(samples_per_rank=10, batch_size=8, world_size=1, accumulation=2)
+        batch_layout(samples_per_rank=10, batch_size=8, world_size=1, accumulation=2)

@@ -10,7 +10,7 @@ from torch import nn
 
 from kfac_bench.kfac import KFACPreconditioner
 from kfac_bench.kfac.assignment import LayerWork
-from kfac_bench.kfac.comm import Bucket, factor_entries, plan_buckets
+from kfac_bench.kfac.comm import Bucket, factor_entries, make_buckets
 
 from ..distributed import run_distributed
 from .test_distributed import kfac_kwargs, make_model, train
@@ -34,7 +34,7 @@ def test_buckets_group_consecutive_factors_of_one_target_under_the_cap() -> None
     # Cap 100 bytes at 4 bytes per element = 25 elements.
     cap_mb = 100 / 2**20
     entries = [("a", 3, None), ("b", 4, None), ("c", 2, None), ("d", 6, None), ("e", 2, 0)]
-    got = plan_buckets(entries, 4, cap_mb, symmetry_aware=False)
+    got = make_buckets(entries, 4, cap_mb, symmetry_aware=False)
     # 9 + 16 = 25 fit; +4 would not. d (36 > 25) is alone; e has another target.
     assert got == [
         Bucket(["a", "b"], None, 25),
@@ -42,7 +42,7 @@ def test_buckets_group_consecutive_factors_of_one_target_under_the_cap() -> None
         Bucket(["d"], None, 36),
         Bucket(["e"], 0, 4),
     ]
-    packed = plan_buckets(entries, 4, cap_mb, symmetry_aware=True)
+    packed = make_buckets(entries, 4, cap_mb, symmetry_aware=True)
     # Upper triangles: 6, 10, 3, 21, 3 elements -> 6+10+3 = 19, then 21 alone (19+21 > 25).
     assert [(b.keys, b.numel) for b in packed] == [
         (["a", "b", "c"], 19),

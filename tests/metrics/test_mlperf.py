@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kfac_bench.config.compose import compose_run
-from kfac_bench.data.batching import plan_batches
+from kfac_bench.data.batching import batch_layout
 from kfac_bench.metrics.mlperf import MLPerfLog, RunFacts, accuracy_value
 from kfac_bench.train.mlperf_facts import hyperparameters
 from kfac_bench.train.run import train
@@ -181,7 +181,7 @@ def test_full_recipes_header_against_open_and_closed_rules(recipe: str, tmp_path
     world, examples, metrics = PAPER_SCALE[recipe]
     cfg = compose_run([f"+recipe={recipe}"])
     t = cfg.train
-    plan = plan_batches(
+    plan = batch_layout(
         samples_per_rank=examples // world,
         batch_size=t.batch_size,
         world_size=world,

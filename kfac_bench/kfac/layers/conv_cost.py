@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from .conv_shift import ConvPlan, Padding, Pair, conv_plan
+from .conv_shift import Padding, Pair, ShiftGeometry, shift_geometry
 
 __all__ = ["RULES", "choose_method"]
 
@@ -36,7 +36,7 @@ def _gemm_time(m: int, k: int) -> float:
     return 2.0 * m * m * k / (_GEMM_PEAK * m / (m + _GEMM_HALF))
 
 
-def _shift_features(plan: ConvPlan, n: int, c: int) -> tuple[float, int, int]:
+def _shift_features(plan: ShiftGeometry, n: int, c: int) -> tuple[float, int, int]:
     """Work of the shift method: (GEMM seconds, elements copied or updated, tensor operations)."""
     hpad, wpad = plan.pad_shape
     k = n * hpad * wpad
@@ -65,7 +65,7 @@ def _shift_features(plan: ConvPlan, n: int, c: int) -> tuple[float, int, int]:
     return gemm, copied, calls
 
 
-def _shift_time(plan: ConvPlan, n: int, c: int) -> float:
+def _shift_time(plan: ShiftGeometry, n: int, c: int) -> float:
     gemm, copied, calls = _shift_features(plan, n, c)
     return _GEMM_SCALE * gemm + _COPY * copied + _CALL * calls
 
@@ -91,7 +91,7 @@ def cpu_rule(
     kk = kernel_size[0] * kernel_size[1]
     if kk == 1:
         return "shift"  # subsample + one GEMM: never slower than unfolding a 1×1 kernel
-    plan = conv_plan(h, w, kernel_size, stride, padding, dilation)
+    plan = shift_geometry(h, w, kernel_size, stride, padding, dilation)
     positions = plan.ax_r.out * plan.ax_c.out
     return "shift" if _shift_time(plan, n, c) <= _unfold_time(n, c, kk, positions) else "unfold"
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["ConvPlan", "Padding", "Pair", "conv2d_a_factor_shift", "conv_plan"]
+__all__ = ["Padding", "Pair", "ShiftGeometry", "conv2d_a_factor_shift", "shift_geometry"]
 
 Pair = tuple[int, int]
 Key = tuple[int, int, int]
@@ -91,7 +91,7 @@ class _Group:
 
 
 @dataclass(frozen=True)
-class ConvPlan:
+class ShiftGeometry:
     """Everything about the shift method that depends only on shapes and conv settings (cached)."""
 
     ax_r: _Axis
@@ -116,9 +116,9 @@ class ConvPlan:
 
 
 @functools.lru_cache(maxsize=512)
-def conv_plan(
+def shift_geometry(
     h: int, w: int, kernel_size: Pair, stride: Pair, padding: Padding, dilation: Pair
-) -> ConvPlan:
+) -> ShiftGeometry:
     kh, kw = kernel_size
     top, bottom, left, right = padding
     ax_r = _axis(h, kh, stride[0], dilation[0], top, bottom)
@@ -166,7 +166,7 @@ def conv_plan(
         for run in {run for _, ex_c in g.excluded for run in ex_c}:
             strip_cols[g.g1].update(range(*run))
             strip_cols[g.g2].update(range(run[0] + g.dx, run[1] + g.dx))
-    return ConvPlan(
+    return ShiftGeometry(
         ax_r,
         ax_c,
         grid_phases,
@@ -176,7 +176,7 @@ def conv_plan(
     )
 
 
-def _phase_grids(x: Tensor, stride: Pair, plan: ConvPlan) -> Tensor:
+def _phase_grids(x: Tensor, stride: Pair, plan: ShiftGeometry) -> Tensor:
     """The used phase sub-grids of ``x`` as ``(grids, C, H, N, Wpad)``, data top-left, zeros elsewhere.
 
     Grid ``(pr, pc)`` holds ``x[:, :, pr::sh, pc::sw]`` with the rows of all examples interleaved. Flattened
@@ -207,7 +207,7 @@ class _Strips:
     (a view), and every group that corrects the same columns shares the strip.
     """
 
-    def __init__(self, grids: Tensor, plan: ConvPlan) -> None:
+    def __init__(self, grids: Tensor, plan: ShiftGeometry) -> None:
         self.grids, self.plan = grids, plan
         self.cache: dict[int, tuple[Tensor, dict[int, int]]] = {}
 
@@ -293,7 +293,7 @@ def conv2d_a_factor_shift(
     """
     x = x.detach()
     n, c, h, w = x.shape
-    plan = conv_plan(h, w, tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation))
+    plan = shift_geometry(h, w, tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation))
     kk = kernel_size[0] * kernel_size[1]
     d = c * kk
     grids = _phase_grids(x, stride, plan)
@@ -326,7 +326,7 @@ def conv2d_a_factor_shift(
     return out
 
 
-def _fill_bias(out: Tensor, grids: Tensor, plan: ConvPlan, kw: int, n: int) -> None:
+def _fill_bias(out: Tensor, grids: Tensor, plan: ShiftGeometry, kw: int, n: int) -> None:
     """Bias row/column: each kernel position's window sum over its grid; corner: ``N·T``."""
     d = out.shape[0] - 1
     c = grids.shape[1]

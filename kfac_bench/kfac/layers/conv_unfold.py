@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .conv_cost import choose_method
-from .conv_shift import Padding, Pair, conv2d_a_factor_shift, conv_plan
+from .conv_shift import Padding, Pair, conv2d_a_factor_shift, shift_geometry
 
 __all__ = ["conv2d_a_factor", "conv2d_a_factor_unfold", "fast_method", "unfold_chunked"]
 
@@ -107,7 +107,7 @@ def unfold_chunked(
     and below ``floor`` (16 MiB of float32) the memory does not matter but fewer chunks are faster.
     """
     n, c, h, w = x.shape
-    plan = conv_plan(h, w, tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation))
+    plan = shift_geometry(h, w, tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation))
     d = c * kernel_size[0] * kernel_size[1]
     per_example = d * plan.ax_r.out * plan.ax_c.out
     chunk = max(1, min(n, max(4 * c * h * w * n, d * d, floor) // per_example))
