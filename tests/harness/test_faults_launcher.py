@@ -26,6 +26,8 @@ from tests.harness.fault_util import (
 from tests.harness.util import TINY
 from tests.limits import hang_limit
 
+pytestmark = pytest.mark.slow
+
 
 def _alive(pid: int) -> bool:
     try:
@@ -55,7 +57,6 @@ _RANK = """
 import sys, time
 import kfac_bench.launcher.lifeline as lifeline
 
-pytestmark = pytest.mark.slow
 if sys.argv[-1] == "poll":
     lifeline._set_parent_death_signal = lambda signum: False
 tied = lifeline.tie_to_agent() if sys.argv[-1] != "untied" else False
