@@ -24,8 +24,8 @@ from kfac_bench.checkpoint.manager import CheckpointManager, RNGState
 from kfac_bench.checkpoint.warm_start import start_from
 from kfac_bench.errors import UserError
 from kfac_bench.models.bert import build_bert
-from tests.harness.fault_util import one_error_line, run
-from tests.harness.util import TINY
+from tests.harness.fault_util import one_error_line
+from tests.harness.util import TINY, run_cli
 
 
 class Payload:
@@ -198,10 +198,10 @@ def test_init_checkpoint_refuses_a_planted_file(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_cli_resume_with_a_planted_checkpoint_stops_with_one_line(tmp_path: Path) -> None:
     run_dir, marker = tmp_path / "run", tmp_path / "ran"
-    first = run("train", *TINY, "train.epochs=1", "hydra.run.dir=run", cwd=tmp_path)
+    first = run_cli("train", *TINY, "train.epochs=1", "hydra.run.dir=run", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     planted = _plant(run_dir / "checkpoints", marker)
-    again = run("train", *TINY, "train.epochs=2", "hydra.run.dir=run", cwd=tmp_path)
+    again = run_cli("train", *TINY, "train.epochs=2", "hydra.run.dir=run", cwd=tmp_path)
     assert again.returncode == 2
     line = one_error_line(again.stderr)
     assert str(planted) in line and "refused" in line

@@ -14,7 +14,8 @@ from kfac_bench.data.coco_fixtures import write_tiny_coco
 from kfac_bench.data.imagenet import imagenet_split, write_tiny_imagenet
 from kfac_bench.data.images import ImageReadError, load_rgb
 from kfac_bench.errors import DatasetError, UserError
-from tests.harness.fault_util import one_error_line, run
+from tests.harness.fault_util import one_error_line
+from tests.harness.util import run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:pycocotools.*")
 
@@ -77,7 +78,7 @@ def test_a_run_with_a_truncated_image_ends_with_one_line_and_status_2(tmp_path: 
     root = write_tiny_imagenet(tmp_path / "data", classes=4, per_class=8, size=72)
     for jpeg in (root / "train").rglob("*.JPEG"):
         truncate(jpeg)  # every training batch meets one
-    result = run(
+    result = run_cli(
         "train",
         "+recipe=resnet50_imagenet_smoke",
         "kfac=none",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -11,8 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tests.harness.cli_process import Running, run_cli_process, start_cli_process
-from tests.harness.util import REPO, cli_env
+from tests.harness.util import REPO, cli_command, cli_env
 from tests.limits import hang_limit
 
 #: The tests' model builder that injects one fault (tests/harness/faulty.py), importable by every rank.
@@ -47,11 +47,18 @@ def start(
     cwd: Path,
     env: dict[str, str] | None = None,
     start_new_session: bool = False,
-) -> Running:
-    """``python -m kfac_bench.cli ARGS`` in the background (forked from a warm interpreter:
-    :func:`tests.harness.cli_process.start_cli_process`), in a session of its own if asked."""
-    environment = _default_env() if env is None else env
-    return start_cli_process(args, cwd, environment, start_new_session=start_new_session)
+) -> subprocess.Popen[str]:
+    """``python -m kfac_bench.cli ARGS`` in the background, in a session of its own if asked: a real process,
+    as the tests that signal, kill or race it need."""
+    return subprocess.Popen(
+        cli_command(*args),
+        cwd=cwd,
+        env=_default_env() if env is None else env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=start_new_session,
+    )
 
 
 def run(
@@ -61,10 +68,22 @@ def run(
     env: dict[str, str] | None = None,
     rlimits: Mapping[int, tuple[int, int]] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m kfac_bench.cli ARGS`` to its end (forked from a warm interpreter:
-    :mod:`tests.harness.cli_process`); ``rlimits``: :func:`resource.setrlimit` limits of the run."""
-    environment = _default_env() if env is None else env
-    return run_cli_process(args, cwd, environment, hang_limit(timeout), rlimits=rlimits)
+    """``python -m kfac_bench.cli ARGS`` to its end; ``rlimits``: :func:`resource.setrlimit` limits of the
+    run."""
+
+    def limit() -> None:
+        for which, limits in (rlimits or {}).items():
+            resource.setrlimit(which, limits)
+
+    return subprocess.run(
+        cli_command(*args),
+        cwd=cwd,
+        env=_default_env() if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=hang_limit(timeout),
+        preexec_fn=limit if rlimits else None,
+    )
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
@@ -76,7 +95,9 @@ def eval_steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in records(run_dir)]
 
 
-def wait_for_records(run_dir: Path, n: int, proc: Running, timeout: float = 90) -> None:
+def wait_for_records(
+    run_dir: Path, n: int, proc: subprocess.Popen[str], timeout: float = 90
+) -> None:
     """Until ``eval.jsonl`` holds ``n`` records (fails if ``proc`` ends first)."""
     deadline = time.monotonic() + hang_limit(timeout)
     while len(records(run_dir)) < n:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kfac_bench.launcher.signals import EXIT_REQUEUE
-from tests.harness.cli_process import Running, start_cli_process
+from tests.harness.fault_util import run, start
 from tests.harness.util import TINY, cli_env, console_script, run_cli
 from tests.limits import hang_limit
 
@@ -91,7 +91,7 @@ def test_the_digits_job_trains_through_the_console_script_and_with_kfac(
         assert "K-FAC preconditions 4 layers: 100.0%" in result.stdout + result.stderr
 
 
-def _wait_for(path: Path, lines: int, proc: Running, timeout: float = 90) -> None:
+def _wait_for(path: Path, lines: int, proc: subprocess.Popen[str], timeout: float = 90) -> None:
     end = time.monotonic() + hang_limit(timeout)
     while time.monotonic() < end and proc.poll() is None:
         if path.is_file() and len(path.read_text().splitlines()) >= lines:
@@ -110,16 +110,16 @@ def test_sigterm_checkpoints_requeues_and_resume_matches_uninterrupted(tmp_path:
         "train.eval_every_steps=5",
         "train.checkpoint_every_epochs=0",
     ]
-    whole = run_cli("train", *args, "hydra.run.dir=whole", cwd=tmp_path)
+    whole = run("train", *args, "hydra.run.dir=whole", cwd=tmp_path, env=cli_env())
     assert whole.returncode == 0, whole.stderr
-    proc = start_cli_process(["train", *args, "hydra.run.dir=parts"], tmp_path, cli_env())
+    proc = start("train", *args, "hydra.run.dir=parts", cwd=tmp_path, env=cli_env())
     _wait_for(tmp_path / "parts" / "eval.jsonl", 2, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=hang_limit(60))
     assert proc.returncode == EXIT_REQUEUE, err
     stopped = json.loads((tmp_path / "parts" / "summary.json").read_text())
     assert stopped["status"] == "preempted" and 10 <= stopped["steps"] < 60
-    resumed = run_cli("train", *args, "hydra.run.dir=parts", cwd=tmp_path)
+    resumed = run("train", *args, "hydra.run.dir=parts", cwd=tmp_path, env=cli_env())
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed at step {stopped['steps']}" in resumed.stdout
     a = json.loads((tmp_path / "whole" / "summary.json").read_text())

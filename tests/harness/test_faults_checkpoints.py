@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness.fault_util import eval_steps, one_error_line, records, run, snapshot, summary
-from tests.harness.util import TINY
+from tests.harness.util import TINY, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ def _corrupt(path: Path) -> None:
 
 def test_a_corrupt_newest_checkpoint_falls_back_and_the_logs_follow(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    first = run("train", *EVERY_3, "train.tensorboard=true", cwd=tmp_path)
+    first = run_cli("train", *EVERY_3, "train.tensorboard=true", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*.pt")) == [
         "step-00000009.pt",
@@ -34,7 +34,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_and_the_logs_follow(tmp_path: Pa
     ]
     _corrupt(run_dir / "checkpoints" / "last.pt")  # the same file as step-00000012.pt
 
-    resumed = run("train", *EVERY_3, "train.tensorboard=true", "train.epochs=3", cwd=tmp_path)
+    resumed = run_cli("train", *EVERY_3, "train.tensorboard=true", "train.epochs=3", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     warning = [line for line in resumed.stderr.splitlines() if "warning" in line]
     assert len(warning) == 1 and "skipped bad checkpoint(s) step-00000012.pt" in warning[0]
@@ -55,11 +55,11 @@ def test_a_corrupt_newest_checkpoint_falls_back_and_the_logs_follow(tmp_path: Pa
 
 def test_no_good_checkpoint_stops_with_one_line_naming_the_files(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    assert run("train", *EVERY_3, cwd=tmp_path).returncode == 0
+    assert run_cli("train", *EVERY_3, cwd=tmp_path).returncode == 0
     for name in ("step-00000009.pt", "step-00000012.pt"):
         _corrupt(run_dir / "checkpoints" / name)
     before = _outputs(run_dir)
-    result = run("train", *EVERY_3, "train.epochs=3", cwd=tmp_path)
+    result = run_cli("train", *EVERY_3, "train.epochs=3", cwd=tmp_path)
     assert result.returncode == 2
     line = one_error_line(result.stderr)
     assert "no usable checkpoint to resume from" in line
@@ -79,7 +79,7 @@ def _outputs(run_dir: Path) -> dict[str, bytes]:
 
 def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    assert run("train", *EVERY_3, cwd=tmp_path).returncode == 0
+    assert run_cli("train", *EVERY_3, cwd=tmp_path).returncode == 0
     before = {k: v for k, v in snapshot(run_dir).items() if k.startswith("checkpoints/")}
     checkpoint_size = len(before["checkpoints/step-00000012.pt"])
     # Writes past 100 kB fail (EFBIG, the way a full disk fails a write): logs fit, a checkpoint does not.
@@ -100,7 +100,7 @@ def test_a_full_disk_is_one_line_and_loses_nothing(tmp_path: Path) -> None:
     after = {k: v for k, v in snapshot(run_dir).items() if k.startswith("checkpoints/")}
     assert after == before and not list((run_dir / "checkpoints").glob(".*"))  # no temporary file
 
-    again = run("train", *EVERY_3, "train.epochs=3", cwd=tmp_path)
+    again = run_cli("train", *EVERY_3, "train.epochs=3", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed at step 12" in again.stdout
     assert eval_steps(run_dir) == [3, 6, 9, 12, 15, 18]

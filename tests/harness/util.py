@@ -1,4 +1,4 @@
-"""Helpers for the harness tests: tiny run settings and running the real CLI in a subprocess."""
+"""Helpers for the harness tests: tiny run settings and running the CLI."""
 
 from __future__ import annotations
 
@@ -60,9 +60,16 @@ def cli_env() -> dict[str, str]:
     return env
 
 
+def cli_command(*args: str) -> list[str]:
+    """``python -m kfac_bench.cli ARGS`` with the tests' own interpreter."""
+    return [sys.executable, "-m", "kfac_bench.cli", *args]
+
+
 def run_cli(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """``python -m kfac_bench.cli ARGS`` in ``cwd`` (same interpreter as the tests, forked from a warm
-    one: :mod:`tests.harness.cli_process`); ``timeout`` is stretched by :func:`tests.limits.hang_limit`."""
+    """``python -m kfac_bench.cli ARGS`` to its end in ``cwd``, forked from a warm interpreter
+    (:mod:`tests.harness.cli_process`): for tests that read the run's output and files. Tests of signals,
+    preemption, supervision or run-directory locking start real processes (:mod:`tests.harness.fault_util`).
+    ``timeout`` is stretched by :func:`tests.limits.hang_limit`."""
     from tests.harness.cli_process import run_cli_process
 
     return run_cli_process(args, cwd, cli_env(), hang_limit(timeout))

@@ -19,8 +19,8 @@ from kfac_bench.metrics.sinks import JsonlSink
 from kfac_bench.metrics.summary import write_summary
 from kfac_bench.models.small_cnn import SmallCNN
 from kfac_bench.train.run import train
-from tests.harness.fault_util import one_error_line, run
-from tests.harness.util import TINY, tiny_cfg
+from tests.harness.fault_util import one_error_line
+from tests.harness.util import TINY, run_cli, tiny_cfg
 
 
 class NaNGradOnce(SmallCNN):
@@ -117,7 +117,7 @@ def test_json_outputs_of_a_diverged_run_are_strict_json(huge_lr: Path) -> None:
 def test_the_same_command_refuses_to_resume_a_diverged_run(huge_lr: Path) -> None:
     before = sorted(p.name for p in (huge_lr / "checkpoints").iterdir())
     step = strict((huge_lr / "summary.json").read_text())["divergence"]["step"]
-    result = run("train", *TINY, *HUGE_LR, f"hydra.run.dir={huge_lr}", cwd=huge_lr.parent)
+    result = run_cli("train", *TINY, *HUGE_LR, f"hydra.run.dir={huge_lr}", cwd=huge_lr.parent)
     assert result.returncode == 2
     line = one_error_line(result.stderr)
     assert "diverged" in line and f"step {step}" in line and "optimizer.lr" in line
