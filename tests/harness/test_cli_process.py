@@ -14,6 +14,8 @@ import pytest
 from tests.harness import cli_process
 from tests.harness.util import cli_env
 
+pytestmark = pytest.mark.slow
+
 
 def test_a_forked_run_prints_and_exits_as_the_real_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
