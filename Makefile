@@ -22,6 +22,9 @@ WARM := torch._dynamo kfac_bench.cli kfac_bench.train.run kfac_bench.models.bert
 # Files go out in collection order, the end-to-end ones first (tests/conftest.py), not xdist's most-tests-first.
 PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+# End-to-end runs in files without a slow marker of their own, left out of test-fast by name.
+FAST_DESELECT := --deselect tests/benchmarks/test_gpu_check.py::test_dry_run_writes_every_section \
+	--deselect tests/benchmarks/test_subsample_study.py::test_resnet_variants_share_gradients_and_only_the_fractions_err
 MYPY   := $(BIN)/mypy kfac_bench/kfac
 
 .DEFAULT_GOAL := help
@@ -49,9 +52,9 @@ lint: ruff  ## ruff (lint + format check) and mypy on the library
 	$(MYPY)
 
 test-fast: $(STAMP)  ## the inner loop: no lint, no end-to-end (slow) or multi-process (distributed) tests
-	$(PYTEST) -m "not slow and not distributed and not gpu"
+	$(PYTEST) -m "not slow and not distributed and not gpu" $(FAST_DESELECT)
 
-test-slow: $(STAMP)  ## what test-fast leaves out: the end-to-end and multi-process tests
+test-slow: $(STAMP)  ## the end-to-end (slow) and multi-process (distributed) tests
 	$(PYTEST) -m "(slow or distributed) and not gpu"
 
 test: ruff  ## lint and the whole suite but the GPU tests: test-fast and test-slow (PYTEST_WORKERS=2)
