@@ -53,7 +53,7 @@ BOUNDED = sorted(
 )
 
 
-def test_the_issue_s_bounds_are_declared() -> None:
+def test_the_key_hyperparameters_declare_bounds() -> None:
     keys = {key for key, _, _ in BOUNDED}
     assert {
         "optimizer.lr",
@@ -105,7 +105,7 @@ def test_every_bound_is_checked_before_the_run(
         ("train.targets={top_1: 0.5}", "unknown config key 'train.targets.top_1'"),
     ],
 )
-def test_the_issue_s_bad_values(
+def test_common_bad_values_are_one_line_naming_the_rule(
     override: str, expected: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     line = _one_error_line(capsys, ["+recipe=digits_smoke", override])

@@ -1,6 +1,6 @@
 """A plain ``torchrun -m kfac_bench.cli train`` without ``hydra.run.dir``: every rank composes its own
 generated name (another time stamp and random suffix), so the ranks take rank 0's directory and rank 1 leaves
-no directory of its own (it used to leave one holding only ``.hydra/``)."""
+no directory of its own, not even one holding only ``.hydra/``."""
 
 from __future__ import annotations
 
