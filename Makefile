@@ -4,17 +4,15 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PIP_INSTALL := $(BIN)/pip install --disable-pip-version-check -q -c constraints.txt
-# uv installs the same constraints 3x faster than pip (45 s against 2 min from a cold cache: parallel
-# downloads and unpacking of torch's CUDA wheels); pip does it where uv cannot be installed.
+# uv installs the same constraints faster than pip (parallel downloads and unpacking of torch's CUDA
+# wheels); pip does it where uv cannot be installed.
 UV_INSTALL  := $(BIN)/uv pip install -q --python $(BIN)/python -c constraints.txt
 # Bytecode. Where PYTHONDONTWRITEBYTECODE is set (CI images, containers), every process would compile what it
 # imports, again: each rank and CLI run of the suite would compile torch. The targets below run with it unset
 # (the venv and the tree's __pycache__ are this project's own, as pip's install-time compile is), so each
-# module compiles once, in whichever process imports it first. make setup imports what a run and the suite's
-# workers import (WARM) so that the two workers do not both compile torch at start-up. Compiling whole
-# packages instead (pip's default, uv's --compile-bytecode: ~19,000 files) was 18 s of a 31 s setup, for
-# the many modules nothing here imports, and left what it did not list (transformers, scipy, the suite's own
-# modules) to be compiled by every process that imported it: the suite ran 30 s longer.
+# module compiles once, in whichever process imports it first, rather than every module of every package
+# at install time. make setup imports what a run and the suite's workers import (WARM) so that the two
+# workers do not both compile torch at start-up.
 unexport PYTHONDONTWRITEBYTECODE
 WARM := torch._dynamo kfac_bench.cli kfac_bench.train.run kfac_bench.models.bert kfac_bench.models.bert_qa
 # pytest-xdist workers (0: one process). Whole test files go to one worker (--dist loadfile), so a module's
@@ -22,9 +20,6 @@ WARM := torch._dynamo kfac_bench.cli kfac_bench.train.run kfac_bench.models.bert
 # Files go out in collection order, the end-to-end ones first (tests/conftest.py), not xdist's most-tests-first.
 PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
-# End-to-end runs in files without a slow marker of their own, left out of test-fast by name.
-FAST_DESELECT := --deselect tests/benchmarks/test_gpu_check.py::test_dry_run_writes_every_section \
-	--deselect tests/benchmarks/test_subsample_study.py::test_resnet_variants_share_gradients_and_only_the_fractions_err
 MYPY   := $(BIN)/mypy kfac_bench/kfac
 
 .DEFAULT_GOAL := help
@@ -52,7 +47,7 @@ lint: ruff  ## ruff (lint + format check) and mypy on the library
 	$(MYPY)
 
 test-fast: $(STAMP)  ## the inner loop: no lint, no end-to-end (slow) or multi-process (distributed) tests
-	$(PYTEST) -m "not slow and not distributed and not gpu" $(FAST_DESELECT)
+	$(PYTEST) -m "not slow and not distributed and not gpu"
 
 test-slow: $(STAMP)  ## the end-to-end (slow) and multi-process (distributed) tests
 	$(PYTEST) -m "(slow or distributed) and not gpu"

@@ -248,6 +248,7 @@ def _check_measured(name: str, data: dict[str, Any]) -> None:
         )
 
 
+@pytest.mark.slow
 def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     code, report, md = _dry_run(tmp_path, "--skip", "recipes")
     s = report["sections"]

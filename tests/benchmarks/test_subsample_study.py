@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks.digits_grid import Arm, Setting
@@ -33,6 +34,7 @@ def test_digits_arms_pair_by_seed_and_the_fraction_changes_the_trajectory() -> N
     )  # one race paired with SGD
 
 
+@pytest.mark.slow
 def test_resnet_variants_share_gradients_and_only_the_fractions_err() -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -27,7 +27,8 @@ ROW_KEYS = {
 }
 
 
-def test_plan_writes_the_issue_schema_a_plot_and_a_recommendation(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_plan_writes_its_schema_a_plot_and_a_recommendation(tmp_path: Path) -> None:
     out = tmp_path / "digits_plan"
     result = run_cli(
         "plan",
