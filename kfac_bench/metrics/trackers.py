@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from kfac_bench.config import flat_config
 from kfac_bench.errors import UserError
+from kfac_bench.metrics.summary import arm_label
 
 __all__ = [
     "SUMMARY_METRICS",
@@ -98,8 +99,6 @@ def hparams(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _arm(config: Mapping[str, Any]) -> str:
-    from kfac_bench.metrics.summary import arm_label
-
     config = _plain(config)
     enabled = bool((config.get("kfac") or {}).get("enabled", False))
     return arm_label({"kfac_enabled": enabled, "config": config})
