@@ -310,6 +310,27 @@ class TrainConfig:
     #: (``kfac_bench/checkpoint/warm_start.py``). Ignored when this run directory resumes from its own
     #: checkpoint.
     init_from: str | None = None
+    #: The campaign this run belongs to: runs compared together share one. None: the Hydra sweep folder of a
+    #: ``--multirun`` job, or none for a single run. Recorded in ``summary.json``; ``compare`` never pools
+    #: two campaigns silently.
+    campaign: str | None = None
+
+
+@dataclass
+class TuningConfig:
+    """``tuning``: where a recipe's hyperparameters come from, for ``compare``'s fairness checks.
+
+    ``arm`` is the arm the values were tuned for: the optimizer's name (``sgd``, ``lamb``, ...) for a
+    first-order arm, ``kfac`` for a K-FAC arm. ``source`` says how (the command that ran the grid, or the
+    paper's table). ``values`` holds the tuned values as nested config keys (``{optimizer: {lr: 0.1},
+    lr_schedule: {...}, kfac: {damping: 0.003}}``): a run whose config differs from them is not the tuned
+    configuration. ``kfac-bench tune`` writes this block into the recipes it produces. ``source`` None: no
+    tuning record.
+    """
+
+    arm: str | None = None
+    source: str | None = None
+    values: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -327,6 +348,8 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     #: A free-form name for the run (recipes set it), shown by ``compare``.
     name: str = "run"
+    #: Where the hyperparameters come from (recipes set it).
+    tuning: TuningConfig = field(default_factory=TuningConfig)
 
 
 # ----------------------------------------------------------------------------------------------------------
