@@ -1,7 +1,10 @@
 """``train.tracker`` and TensorBoard's HParams, read back from what a real tiny run wrote: the MLflow store
 (params, metrics per evaluation, time-to-target; a resumed run continues the same MLflow run), W&B's offline
-files, and the HParams in the run's TensorBoard event file. Tests of a tracker whose library is not installed
-are skipped (``pip install 'kfac-bench[tracking]'``)."""
+files, and the HParams in the run's TensorBoard event file; the run's record in MLflow (environment tags,
+seed, config.yaml and summary.json as artifacts, names unique across sweeps); side channels that fail
+mid-run (one warning, then off) or cannot be used at start (refused before training, a dead server within
+seconds); a resume into another store. Tests of a tracker whose library is not installed are skipped
+(``pip install 'kfac-bench[tracking]'``)."""
 
 from __future__ import annotations
 
@@ -166,53 +169,6 @@ def test_runs_named_alike_in_two_sweeps_get_distinct_tracker_names(tmp_path: Pat
         "2026-12-01_10-00-00_aaaaaa/0_digits_seed0",
         "2026-12-01_11-00-00_bbbbbb/0_digits_seed0",
     ]
-
-
-def test_git_dirty_follows_the_work_tree(tmp_path: Path) -> None:
-    import subprocess
-
-    from kfac_bench.metrics.environment import git_dirty
-
-    assert git_dirty(tmp_path) is None  # not a checkout
-    repo = tmp_path / "repo"
-    repo.mkdir()
-
-    def git(*args: str) -> None:
-        subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
-
-    git("init", "-q")
-    (repo / "a.py").write_text("x = 1\n")
-    (repo / ".gitignore").write_text("runs/\n")
-    git("add", ".")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
-    assert git_dirty(repo) is False
-    (repo / "runs").mkdir()
-    (repo / "runs" / "out.json").write_text("{}")  # ignored: still clean
-    assert git_dirty(repo) is False
-    (repo / "b.py").write_text("y = 2\n")  # untracked, not ignored
-    assert git_dirty(repo) is True
-    (repo / "b.py").unlink()
-    (repo / "a.py").write_text("x = 2\n")  # a tracked file changed
-    assert git_dirty(repo) is True
-
-
-def test_environment_values_are_present_or_none(monkeypatch: pytest.MonkeyPatch) -> None:
-    import socket
-    from importlib import metadata
-
-    import torch
-
-    from kfac_bench.metrics import environment
-
-    monkeypatch.setattr(environment, "PACKAGES", ("torch", "transformers", "no-such-package-kfb"))
-    env = environment.run_environment(torch.device("cpu"))
-    assert env["host"] == socket.gethostname()
-    assert env["gpu"] is None and env["gpu_driver"] is None  # not a CUDA run
-    assert env["cuda"] == torch.version.cuda
-    assert env["torch"] == metadata.version("torch")
-    assert env["transformers"] == metadata.version("transformers")
-    assert env["no-such-package-kfb"] is None
-    assert set(env) >= {"git_dirty", "nccl", "python"}
 
 
 # --- best effort ------------------------------------------------------------------------------------
