@@ -258,12 +258,19 @@ def _write_shards(
             f"only {len(instances)} examples for {num_shards} shards in {out_dir}: "
             "lower --num-shards or add text"
         )
-    out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for k in range(num_shards):
-        path = out_dir / f"part-{k:05d}-of-{num_shards:05d}.hdf5"
-        write_shard(path, instances[k::num_shards], vocab, seq, preds)
-        paths.append(path)
+    path = out_dir
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for k in range(num_shards):
+            path = out_dir / f"part-{k:05d}-of-{num_shards:05d}.hdf5"
+            write_shard(path, instances[k::num_shards], vocab, seq, preds)
+            paths.append(path)
+    except OSError as err:  # a full disk, a quota, a file where the heldout folder goes
+        raise ConfigError(
+            f"cannot write {path} ({err.strerror or err}): free space, move what is in the way, "
+            "or pass another --output-dir"
+        ) from None
     return paths
 
 

@@ -294,6 +294,16 @@ def test_bad_inputs_give_one_line_and_status_2(
     assert not list(tmp_path.rglob("*.hdf5"))
 
 
+def test_a_shard_that_cannot_be_written_is_one_line(
+    prepared, small_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "heldout").write_text("a file where the held-out shards go")
+    args = ["--input", str(small_corpus), "--vocab-file", str(prepared.vocab_file)]
+    args += ["--output-dir", str(tmp_path), "--heldout-fraction", "0.4", "--dupe-factor", "1"]
+    line = _cli_error(args, capsys)
+    assert f"cannot write {tmp_path / 'heldout'}" in line and "--output-dir" in line
+
+
 def test_wordpiece_vocabulary_stays_within_vocab_size(small_corpus: Path, tmp_path: Path) -> None:
     result = prepare_shards([small_corpus], tmp_path, vocab_size=300, dupe_factor=1)
     assert result.vocab_size <= 300
