@@ -195,13 +195,14 @@ def open_side_channels(
         try:
             if cfg.train.tensorboard:
                 check_log_dir(run_dir / "tb", "train.tensorboard")
+            kind = str(cfg.train.tracker.value)
             tracker = open_tracker(
-                str(cfg.train.tracker.value),
+                kind,
                 run_dir,
                 OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
                 cfg.train.tracker_uri,
                 cfg.train.tracker_project,
-                environment=run_environment(device),
+                environment=run_environment(device) if kind != "none" else None,
             )
         except UserError as exc:
             error = str(exc)
