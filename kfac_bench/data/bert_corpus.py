@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import os
 import re
+from array import array
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,13 @@ from kfac_bench.errors import ConfigError, DatasetError
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 VOCAB_TRAINERS = ("wordpiece", "frequency")
 
-Document = list[list[int]]  # sentences of token ids
+Document = list["array[int]"]  # sentences of token ids (4 bytes each, however long the corpus)
+#: The longest line (characters) read from a corpus: one sentence per line is the format, and a line far
+#: longer is not a sentence (a file with no line breaks, or not text). Reading stops at this length, so a
+#: huge line costs no more memory than this.
+MAX_LINE_CHARS = 1 << 20
+#: Characters of text tokenised at once (the tokenizer's encodings of a batch take ~100x its text).
+_TOKENIZE_BATCH_CHARS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -45,31 +52,72 @@ class Vocab:
     mask: int
 
 
-def read_documents(paths: Sequence[str | os.PathLike[str]]) -> list[list[str]]:
-    """Documents (lists of non-empty stripped lines) from text files; blank lines and file ends end a
-    document."""
-    documents: list[list[str]] = [[]]
+def corpus_lines(paths: Sequence[str | os.PathLike[str]]) -> Iterator[str]:
+    """The stripped lines of text files, read one at a time, with ``""`` for a document break (a blank
+    line or a file's end).
+
+    Raises:
+        DatasetError: a file that is missing or unreadable, not UTF-8 text, or holds a line longer than
+            :data:`MAX_LINE_CHARS` (one line naming the file and line).
+    """
+    expected = "a UTF-8 text file with one sentence per line (documents separated by blank lines)"
     for path in paths:
         if not Path(path).is_file():
-            raise DatasetError(path, "a text file with one sentence per line")
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if line:
-                    documents[-1].append(line)
-                elif documents[-1]:
-                    documents.append([])
-        if documents[-1]:
-            documents.append([])
-    return [d for d in documents if d]
+            raise DatasetError(path, expected)
+        number = 0
+        try:
+            with open(path, encoding="utf-8") as f:
+                while line := f.readline(MAX_LINE_CHARS + 1):
+                    number += 1
+                    if len(line) > MAX_LINE_CHARS:
+                        raise DatasetError(
+                            path,
+                            f"{expected}; line {number} is longer than {MAX_LINE_CHARS:,} characters: "
+                            "split the text into sentences, one per line",
+                        )
+                    yield line.strip()
+        except UnicodeDecodeError:
+            raise DatasetError(
+                path, f"{expected}; near line {number + 1} it is not UTF-8"
+            ) from None
+        except OSError as err:
+            raise DatasetError(path, f"{expected}; it cannot be read ({err.strerror})") from None
+        yield ""
+
+
+def count_documents(paths: Sequence[str | os.PathLike[str]]) -> int:
+    """How many documents the text files hold, read as :func:`corpus_lines` reads them (a check of the
+    input before anything is built from it)."""
+    count, open_doc = 0, False
+    for line in corpus_lines(paths):
+        if line and not open_doc:
+            count += 1
+        open_doc = bool(line)
+    return count
 
 
 def load_tokenizer(
     vocab_file: str | os.PathLike[str], lowercase: bool = True
 ) -> BertWordPieceTokenizer:
-    """A WordPiece tokenizer over an existing BERT ``vocab.txt``."""
+    """A WordPiece tokenizer over an existing BERT ``vocab.txt``.
+
+    Raises:
+        DatasetError: the file is missing, not UTF-8 text, or lacks one of :data:`SPECIAL_TOKENS`.
+    """
+    expected = "a WordPiece vocab.txt (UTF-8, one token per line, with " + " ".join(SPECIAL_TOKENS)
     if not Path(vocab_file).is_file():
-        raise DatasetError(vocab_file, "a WordPiece vocab.txt (one token per line)")
+        raise DatasetError(vocab_file, expected + ")")
+    try:
+        tokens = set(Path(vocab_file).read_text(encoding="utf-8").splitlines())
+    except UnicodeDecodeError:
+        raise DatasetError(vocab_file, expected + "); it is not UTF-8 text") from None
+    except OSError as err:
+        raise DatasetError(
+            vocab_file, expected + f"); it cannot be read ({err.strerror})"
+        ) from None
+    missing = [t for t in SPECIAL_TOKENS if t not in tokens]
+    if missing:
+        raise DatasetError(vocab_file, expected + f"); it lacks {', '.join(missing)}")
     return BertWordPieceTokenizer(str(vocab_file), lowercase=lowercase)
 
 
@@ -79,10 +127,9 @@ def _frequency_vocab(
     splitter = BertWordPieceTokenizer(lowercase=lowercase)  # only its normaliser and pre-tokeniser
     assert splitter.normalizer is not None and splitter.pre_tokenizer is not None
     counts: Counter[str] = Counter()
-    for doc in read_documents(files):
-        for line in doc:
-            text = splitter.normalizer.normalize_str(line)
-            counts.update(w for w, _ in splitter.pre_tokenizer.pre_tokenize_str(text))
+    for line in corpus_lines(files):
+        text = splitter.normalizer.normalize_str(line)
+        counts.update(w for w, _ in splitter.pre_tokenizer.pre_tokenize_str(text))
     chars = sorted({c for word in counts for c in word})
     base = [*SPECIAL_TOKENS, *chars, *(f"##{c}" for c in chars)]
     if len(base) > vocab_size:
@@ -114,6 +161,12 @@ def train_tokenizer(
             special_tokens=list(SPECIAL_TOKENS),
             show_progress=False,
         )
+        if tokenizer.get_vocab_size() > vocab_size:
+            # The trainer keeps every character of the corpus whatever vocab_size asks for.
+            raise ConfigError(
+                f"vocab_size {vocab_size} is smaller than the {tokenizer.get_vocab_size()} tokens "
+                "(special tokens and the corpus's characters) WordPiece needs: raise --vocab-size"
+            )
         (saved,) = tokenizer.save_model(str(out))
         vocab_path = Path(saved)
     elif trainer == "frequency":
@@ -138,18 +191,42 @@ def vocab_ids(tokenizer: BertWordPieceTokenizer) -> Vocab:
     )
 
 
-def tokenize_documents(
-    tokenizer: BertWordPieceTokenizer, documents: Sequence[Sequence[str]]
+def tokenize_files(
+    tokenizer: BertWordPieceTokenizer, paths: Sequence[str | os.PathLike[str]]
 ) -> list[Document]:
-    """Token ids per sentence per document; sentences and documents that tokenise to nothing are
-    dropped."""
-    lines = [line for doc in documents for line in doc]
-    encoded = iter(tokenizer.encode_batch(lines, add_special_tokens=False))
+    """Token ids per sentence per document of the text files (sentences and documents that tokenise to
+    nothing are dropped), streamed: lines are read (:func:`corpus_lines`) and tokenised a batch of about a
+    million characters at a time, and only the ids are kept, so memory grows with the corpus's tokens,
+    not with its text or the tokenizer's encodings."""
     out: list[Document] = []
-    for doc in documents:
-        sentences = [s for s in (next(encoded).ids for _ in doc) if s]
-        if sentences:
-            out.append(sentences)
+    current: Document = []
+    batch: list[str] = []  # lines waiting, "" for a document break
+    chars = 0
+
+    def flush() -> None:
+        nonlocal current
+        text = [line for line in batch if line]
+        encoded = iter(tokenizer.encode_batch(text, add_special_tokens=False)) if text else iter(())
+        for line in batch:
+            if not line:
+                if current:
+                    out.append(current)
+                current = []
+                continue
+            ids = next(encoded).ids
+            if ids:
+                current.append(array("i", ids))
+        batch.clear()
+
+    for line in corpus_lines(paths):
+        batch.append(line)
+        chars += len(line)
+        if chars >= _TOKENIZE_BATCH_CHARS:
+            flush()
+            chars = 0
+    flush()
+    if current:
+        out.append(current)
     return out
 
 

@@ -18,8 +18,10 @@ interchangeable with theirs:
 Everything is drawn from one ``random.Random(seed)``, so a given vocabulary, input and seed always give
 the same shards (a vocabulary trained with ``tokenizers``' WordPiece trainer can differ between runs; the
 ``frequency`` trainer cannot). A held-out fraction of *documents* can be written to ``OUTPUT/heldout``
-for evaluation. All instances are kept in memory; for a Wikipedia-sized corpus run the command once per
-text shard (as NVIDIA does) with the same ``--vocab-file`` and different seeds.
+for evaluation. The input is read a line at a time and tokenised in batches, keeping only token ids
+(a line longer than :data:`~kfac_bench.data.bert_corpus.MAX_LINE_CHARS` is refused); all instances are
+kept in memory, so for a Wikipedia-sized corpus run the command once per text shard (as NVIDIA does)
+with the same ``--vocab-file`` and different seeds.
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ from kfac_bench.data.bert import HELDOUT_SUBDIR, list_shards
 from kfac_bench.data.bert_corpus import (
     Document,
     Vocab,
+    count_documents,
     load_tokenizer,
-    read_documents,
-    tokenize_documents,
+    tokenize_files,
     train_tokenizer,
     vocab_ids,
 )
@@ -256,12 +258,19 @@ def _write_shards(
             f"only {len(instances)} examples for {num_shards} shards in {out_dir}: "
             "lower --num-shards or add text"
         )
-    out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for k in range(num_shards):
-        path = out_dir / f"part-{k:05d}-of-{num_shards:05d}.hdf5"
-        write_shard(path, instances[k::num_shards], vocab, seq, preds)
-        paths.append(path)
+    path = out_dir
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for k in range(num_shards):
+            path = out_dir / f"part-{k:05d}-of-{num_shards:05d}.hdf5"
+            write_shard(path, instances[k::num_shards], vocab, seq, preds)
+            paths.append(path)
+    except OSError as err:  # a full disk, a quota, a file where the heldout folder goes
+        raise ConfigError(
+            f"cannot write {path} ({err.strerror or err}): free space, move what is in the way, "
+            "or pass another --output-dir"
+        ) from None
     return paths
 
 
@@ -272,6 +281,8 @@ def _check_args(
     dupe_factor: int,
     num_shards: int,
     heldout: float,
+    short_seq_prob: float,
+    vocab_size: int,
 ) -> None:
     if max_seq_length < 8:
         raise ConfigError(f"max_seq_length must be at least 8, got {max_seq_length}")
@@ -285,6 +296,24 @@ def _check_args(
         raise ConfigError(f"masked_lm_prob must be in (0, 1], got {masked_lm_prob}")
     if not 0.0 <= heldout < 1.0:
         raise ConfigError(f"heldout_fraction must be in [0, 1), got {heldout}")
+    if not 0.0 <= short_seq_prob <= 1.0:
+        raise ConfigError(f"short_seq_prob must be in [0, 1], got {short_seq_prob}")
+    if vocab_size < 1:
+        raise ConfigError(f"vocab_size must be at least 1, got {vocab_size}")
+
+
+def _make_output_dir(out: Path) -> None:
+    """Create ``out`` (and its parents) or say in one line why it cannot be."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".prepare-bert.{os.getpid()}.probe"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(
+            f"--output-dir {out} cannot be used ({err.strerror or err}): "
+            "pass a writable directory (it is created if missing)"
+        ) from None
 
 
 def prepare_shards(
@@ -315,8 +344,11 @@ def prepare_shards(
     ``output_dir/vocab.txt``.
 
     Raises:
-        ConfigError: bad sizes, or shards already in ``output_dir`` and not ``overwrite``.
-        DatasetError: a missing input/vocab file, or fewer than two documents per split.
+        ConfigError: bad sizes, an ``output_dir`` that cannot be created or written, a ``vocab_size``
+            smaller than the vocabulary the corpus needs, or shards already in ``output_dir`` and not
+            ``overwrite``.
+        DatasetError: a missing, unreadable or non-UTF-8 input or vocab file, an input line longer than
+            ``MAX_LINE_CHARS``, or fewer than two documents per split.
     """
     _check_args(
         max_seq_length,
@@ -325,11 +357,15 @@ def prepare_shards(
         dupe_factor,
         num_shards,
         heldout_fraction,
+        short_seq_prob,
+        vocab_size,
     )
     out = Path(output_dir)
+    if vocab_file is not None:
+        load_tokenizer(vocab_file, lowercase)  # a bad vocabulary stops the command before any work
     old = _old_shards(out, overwrite)
-    texts = read_documents(input_files)
-    out.mkdir(parents=True, exist_ok=True)
+    count_documents(input_files)  # every input file is UTF-8 text of bounded lines
+    _make_output_dir(out)
     if vocab_file is None:
         tokenizer, vocab_path = train_tokenizer(
             input_files, vocab_size, out, lowercase, vocab_trainer
@@ -337,7 +373,7 @@ def prepare_shards(
     else:
         tokenizer, vocab_path = load_tokenizer(vocab_file, lowercase), Path(vocab_file)
     vocab = vocab_ids(tokenizer)
-    documents = tokenize_documents(tokenizer, texts)
+    documents = tokenize_files(tokenizer, input_files)
     rng = random.Random(seed)
     rng.shuffle(documents)
     num_heldout = max(2, round(heldout_fraction * len(documents))) if heldout_fraction > 0 else 0

@@ -98,6 +98,8 @@ def read_squad(path: str | os.PathLike[str]) -> list[SquadExample]:
             raw = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise _bad(file, f"it is not valid JSON ({err})") from None
+    except RecursionError:
+        raise _bad(file, "its JSON is nested too deeply to read") from None
     if not isinstance(raw, dict) or "data" not in raw:
         raise _bad(file, "no top-level 'version' and 'data'")
     if raw.get("version") != SQUAD_VERSION:
@@ -113,10 +115,11 @@ def read_squad(path: str | os.PathLike[str]) -> list[SquadExample]:
             context = _field(paragraph, "context", str, file, where)
             for q, qa in enumerate(_field(paragraph, "qas", list, file, where)):
                 examples.append(_read_qa(qa, context, str(title), file, f"{where}.qas[{q}]"))
-    ids = [e.id for e in examples]
-    if len(set(ids)) != len(ids):
-        dup = next(i for i in ids if ids.count(i) > 1)
-        raise _bad(file, f"question id {dup!r} occurs more than once")
+    seen: set[str] = set()
+    for example in examples:
+        if example.id in seen:
+            raise _bad(file, f"question id {example.id!r} occurs more than once")
+        seen.add(example.id)
     return examples
 
 

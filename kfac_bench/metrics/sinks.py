@@ -9,7 +9,9 @@ Files in the run directory:
     ``tb/``: TensorBoard events (``train/loss``, ``train/lr``, ``train/samples_per_s``, ``kfac/<stage>_s``,
     ``eval/<metric>``) and, when the run ends, its HParams: the config and arm as hyperparameters,
     time-to-target and throughput as ``hparams/<measure>`` metrics (TensorBoard's HPARAMS tab then lists
-    the runs of a sweep side by side).
+    the runs of a sweep side by side). TensorBoard is a side channel: its folder is checked when the run
+    starts (:func:`check_log_dir`: refused there in one line), and a write that fails later is one warning
+    line, after which the run goes on without it.
 """
 
 from __future__ import annotations
@@ -17,10 +19,21 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EVAL_FILE", "JsonlSink", "TensorBoardSink", "json_safe", "read_jsonl"]
+from kfac_bench.errors import UserError
+
+__all__ = [
+    "EVAL_FILE",
+    "JsonlSink",
+    "TensorBoardSink",
+    "check_log_dir",
+    "json_safe",
+    "read_jsonl",
+]
 
 EVAL_FILE = "eval.jsonl"
 
@@ -82,15 +95,47 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def check_log_dir(log_dir: Path, setting: str) -> None:
+    """``log_dir`` is, or can be made, a folder this process can create files in (checked by creating
+    and removing one).
+
+    Raises:
+        UserError: one line naming the folder, the problem and ``setting`` (the key that turns it off).
+    """
+    log_dir = Path(log_dir)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".probe.", dir=log_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UserError(
+            f"{log_dir} cannot hold TensorBoard's event files ({exc.strerror or exc}): remove or fix "
+            f"it, or set {setting}=false"
+        ) from None
+
+
 class TensorBoardSink:
     """Scalars keyed by the global optimizer step. The event file is opened at the first scalar, with the
     purge step :meth:`purge_after` set: TensorBoard then discards the events an earlier process of the run
-    logged after the step this one resumed from."""
+    logged after the step this one resumed from. Best effort: the first write that fails is one warning
+    line, and the sink writes nothing more (:attr:`failed`)."""
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = Path(log_dir)
         self.purge_step: int | None = None
+        self.failed = False
         self._writer: Any = None
+
+    def _off(self, exc: Exception) -> None:
+        self.failed = True
+        print(
+            f"kfac-bench: warning: TensorBoard's writer failed in {self.log_dir} "
+            f"({type(exc).__name__}: {' '.join(str(exc).split())}); it is off for the rest of this "
+            "run, which goes on (eval.jsonl, checkpoints and summary.json are written as usual)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def purge_after(self, step: int) -> None:
         """Events of steps ``> step`` written before are dropped (``SummaryWriter(purge_step=step + 1)``)."""
@@ -105,22 +150,36 @@ class TensorBoardSink:
         return self._writer
 
     def scalars(self, values: dict[str, float], step: int) -> None:
-        for key, value in values.items():
-            self.writer.add_scalar(key, value, global_step=step)
+        if self.failed:
+            return
+        try:
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, global_step=step)
+        except Exception as exc:  # a full or vanished disk, a library error: never the run's end
+            self._off(exc)
 
     def hparams(self, values: dict[str, Any], metrics: dict[str, float], step: int) -> None:
         """The run's hyperparameters and end-of-run metrics (``hparams/<name>``), in the run's own event
         file (``SummaryWriter.add_hparams`` would write them to a subfolder, apart from the scalars)."""
-        from torch.utils.tensorboard.summary import hparams
+        if self.failed:
+            return
+        try:
+            from torch.utils.tensorboard.summary import hparams
 
-        tagged = {f"hparams/{k}": v for k, v in metrics.items()}
-        experiment, start, end = hparams(values, tagged)
-        writer = self.writer._get_file_writer()
-        for event in (experiment, start, end):
-            writer.add_summary(event)
+            tagged = {f"hparams/{k}": v for k, v in metrics.items()}
+            experiment, start, end = hparams(values, tagged)
+            writer = self.writer._get_file_writer()
+            for event in (experiment, start, end):
+                writer.add_summary(event)
+        except Exception as exc:
+            self._off(exc)
+            return
         self.scalars(tagged, step)
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
-            self._writer.close()
+        if self._writer is not None and not self.failed:
+            try:
+                self._writer.flush()
+                self._writer.close()
+            except Exception as exc:
+                self._off(exc)

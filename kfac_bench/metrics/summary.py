@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kfac_bench.metrics.environment import run_environment
 from kfac_bench.metrics.sinks import json_safe
 from kfac_bench.metrics.timekeeping import TargetTracker, Throughput
 
@@ -140,6 +141,8 @@ def run_summary(
         "config": config,
         "git_commit": git_commit(),
         "torch_version": torch.__version__,
+        # What it ran on: git tree state, host, GPU, driver, CUDA/NCCL and package versions.
+        "environment": run_environment(device),
     }
 
 

@@ -12,9 +12,22 @@ compare there side by side.
   ``sqlite:///...``, a ``file:`` store) or, by default, a file store in the run directory (``mlruns/``:
   ``mlflow ui --backend-store-uri runs/<run>/mlruns``). MLflow 3 keeps its file store only on request, so
   kfac-bench sets ``MLFLOW_ALLOW_FILE_STORE=true`` for a ``file:`` store (unless it is set already). A resumed
-  run continues the same MLflow run (its id is kept in ``tracker.json`` in the run directory).
+  run continues the same MLflow run (its id and store are kept in ``tracker.json`` in the run directory); a
+  resume with another ``train.tracker_uri`` starts a new MLflow run in that store.
 - Weights & Biases: offline (``WANDB_MODE=offline`` unless set; ``wandb sync runs/<run>/wandb`` uploads it),
   its files under ``train.tracker_uri`` or the run directory; a resumed run continues the same W&B run.
+
+A tracker is named after the run directory and the folder above it (:func:`run_name`), and tagged with the
+arm, the seed, the run directory and what the run ran on (``env.<key>``:
+:mod:`kfac_bench.metrics.environment`); MLflow also keeps the run's ``config.yaml`` and ``summary.json`` as
+artifacts.
+
+Trackers are best effort once open (:class:`BestEffort`): the first failure of a tracker during the run
+(a full or read-only store, a server gone, any library error) is one warning line and that tracker is off
+for the rest of the run; the run's own files, checkpoints and exit status are not touched by it. Opening is
+strict: a store that cannot be opened when the run starts stops it with one line before training (MLflow's
+HTTP client retries once with a 4 s timeout unless ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` /
+``MLFLOW_HTTP_REQUEST_TIMEOUT`` are set, so an unreachable server is refused within about 10 s).
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ import json
 import math
 import os
 import secrets
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,11 +49,14 @@ from kfac_bench.metrics.summary import arm_label
 __all__ = [
     "SUMMARY_METRICS",
     "TRACKER_FILE",
+    "BestEffort",
     "MLflowTracker",
     "Tracker",
     "WandbTracker",
     "hparams",
     "open_tracker",
+    "run_name",
+    "run_tags",
     "summary_metrics",
 ]
 
@@ -61,6 +78,17 @@ SUMMARY_METRICS = (
 )
 #: Config keys that are not parameters of the run (where it writes, how it shows progress).
 _NOT_PARAMS = ("dataset.root", "train.progress", "train.tracker_uri", "launcher.*")
+#: MLflow's HTTP client retries 7 times with exponential back-off and waits 120 s per request by default:
+#: minutes against a server that is gone. These apply unless the environment sets them.
+MLFLOW_HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "4",
+}
+#: Files of the run directory MLflow keeps as artifacts (the config when the run starts, the summary at
+#: its end).
+CONFIG_ARTIFACT = "config.yaml"
+SUMMARY_ARTIFACT = "summary.json"
 
 
 class Tracker(Protocol):
@@ -104,27 +132,113 @@ def _arm(config: Mapping[str, Any]) -> str:
     return arm_label({"kfac_enabled": enabled, "config": config})
 
 
-def _saved_id(run_dir: Path, key: str) -> str | None:
+def run_name(run_dir: Path) -> str:
+    """The run's name in its tracker: its directory and the folder above, e.g.
+    ``multirun/2026-12-04_10-00-00_3fa2c1/0_digits_seed0`` -> ``2026-12-04_10-00-00_3fa2c1/0_digits_seed0``.
+    A sweep names its jobs alike in every sweep; their sweep folders (time and a random suffix) differ."""
+    path = Path(run_dir).resolve()
+    return f"{path.parent.name}/{path.name}" if path.parent.name else path.name
+
+
+def run_tags(
+    run_dir: Path, config: Mapping[str, Any], environment: Mapping[str, Any] | None
+) -> dict[str, str]:
+    """A tracker run's tags: arm, seed, run directory, and ``env.<key>`` for each value of ``environment``
+    that is present (:func:`kfac_bench.metrics.environment.run_environment`)."""
+    seed = (_plain(config).get("train") or {}).get("seed")
+    tags = {"arm": _arm(config), "run_dir": str(Path(run_dir).resolve()), "seed": str(seed)}
+    for key, value in (environment or {}).items():
+        if value is not None:
+            tags[f"env.{key}"] = str(value)
+    return tags
+
+
+def _saved(run_dir: Path) -> dict[str, Any]:
     try:
-        value = json.loads((run_dir / TRACKER_FILE).read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
-        return None
+        value = json.loads((run_dir / TRACKER_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _saved_id(run_dir: Path, key: str) -> str | None:
+    value = _saved(run_dir).get(key)
     return value if isinstance(value, str) else None
 
 
-def _save_id(run_dir: Path, key: str, value: str) -> None:
-    (run_dir / TRACKER_FILE).write_text(json.dumps({key: value}) + "\n")
+def _save_id(run_dir: Path, key: str, value: str, **more: str) -> None:
+    (run_dir / TRACKER_FILE).write_text(json.dumps({key: value, **more}) + "\n")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+class BestEffort:
+    """A tracker whose failures never reach the run: the first exception of any call is one warning line
+    on stderr, and every later call is skipped (the tracker is off for the rest of the run)."""
+
+    def __init__(self, tracker: Tracker, name: str) -> None:
+        self.tracker: Tracker | None = tracker
+        self.name = name
+
+    @property
+    def active(self) -> bool:
+        return self.tracker is not None
+
+    def metrics(self, values: Mapping[str, float], step: int) -> None:
+        if self.tracker is not None:
+            self._guard(lambda t: t.metrics(values, step))
+
+    def finish(self, summary: Mapping[str, Any] | None, status: str | None) -> None:
+        if self.tracker is not None:
+            self._guard(lambda t: t.finish(summary, status))
+
+    def _guard(self, call: Any) -> None:
+        try:
+            call(self.tracker)
+        except Exception as exc:  # the library's, the store's, the network's: none costs the run
+            self.tracker = None
+            print(
+                f"kfac-bench: warning: {self.name} failed ({type(exc).__name__}: {_one_line(exc)}); "
+                "it is off for the rest of this run, which goes on (eval.jsonl, checkpoints and "
+                "summary.json are written as usual)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _store_fix(uri: str) -> str:
+    """What to do about an MLflow store at ``uri`` that cannot be used."""
+    if uri.startswith(("http://", "https://")):
+        return (
+            "start the server (or check the address and network), set train.tracker_uri to a reachable "
+            "store, or set train.tracker=none"
+        )
+    return (
+        "make that store writable (or free space on its disk), set train.tracker_uri to another store, "
+        "or set train.tracker=none"
+    )
 
 
 class MLflowTracker:
-    """One MLflow run per kfac-bench run (continued on resume), through ``MlflowClient``.
+    """One MLflow run per kfac-bench run, through ``MlflowClient``, continued on resume while
+    ``train.tracker_uri`` stays the same; a resume that names another store starts a new MLflow run there
+    (``tracker.json`` records the store with the run's id).
 
     Raises:
-        UserError: mlflow is not installed, or the tracking store cannot be opened.
+        UserError: mlflow is not installed, or the tracking store cannot be opened (one line naming the
+            store and the fix).
     """
 
     def __init__(
-        self, run_dir: Path, config: Mapping[str, Any], uri: str | None, project: str
+        self,
+        run_dir: Path,
+        config: Mapping[str, Any],
+        uri: str | None,
+        project: str,
+        environment: Mapping[str, Any] | None = None,
     ) -> None:
         try:
             from mlflow.entities import Param, RunTag
@@ -138,9 +252,16 @@ class MLflowTracker:
         uri = uri or (self.run_dir.resolve() / "mlruns").as_uri()
         if uri.startswith("file:") or "://" not in uri:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        for key, value in MLFLOW_HTTP_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        saved = _saved(self.run_dir)
+        same_store = saved.get("mlflow_uri", uri) == uri
         try:
             self.client = MlflowClient(tracking_uri=uri)
-            run_id = _saved_id(self.run_dir, "mlflow_run_id")
+            run_id = _saved_id(self.run_dir, "mlflow_run_id") if same_store else None
+            if run_id is not None and not self._exists(run_id):
+                run_id = None  # the store no longer holds it: a new run, as in another store
+            tags = [RunTag(k, v) for k, v in run_tags(self.run_dir, config, environment).items()]
             if run_id is None:
                 experiment = self.client.get_experiment_by_name(project)
                 experiment_id = (
@@ -148,26 +269,39 @@ class MLflowTracker:
                     if experiment is not None
                     else self.client.create_experiment(project)
                 )
-                run = self.client.create_run(experiment_id, run_name=self.run_dir.name)
+                run = self.client.create_run(experiment_id, run_name=run_name(self.run_dir))
                 run_id = run.info.run_id
                 flat = params(config)
                 items = [Param(k, str(v)[:6000]) for k, v in flat.items()]
                 for i in range(0, len(items), 100):  # MLflow takes at most 100 per batch
                     self.client.log_batch(run_id, params=items[i : i + 100])
-                tags = [RunTag("arm", _arm(config)), RunTag("run_dir", str(self.run_dir))]
-                self.client.log_batch(run_id, tags=tags)
-                _save_id(self.run_dir, "mlflow_run_id", run_id)
+                _save_id(self.run_dir, "mlflow_run_id", run_id, mlflow_uri=uri)
             else:
                 self.client.update_run(run_id, status="RUNNING")
+            self.client.log_batch(run_id, tags=tags)  # this part's host, GPU, versions
+            config_file = self.run_dir / CONFIG_ARTIFACT
+            if config_file.is_file():
+                self.client.log_artifact(run_id, str(config_file))
         except UserError:
             raise
         except Exception as exc:  # MlflowException, OSError, ...: one line either way
             raise UserError(
-                f"train.tracker=mlflow: cannot open the MLflow store at '{uri}' ({exc}); "
-                "set train.tracker_uri to a reachable store"
+                f"train.tracker=mlflow: cannot open the MLflow store at '{uri}' "
+                f"({type(exc).__name__}: {_one_line(exc)}); {_store_fix(uri)}"
             ) from None
         self.run_id = run_id
         self.uri = uri
+
+    def _exists(self, run_id: str) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_run(run_id)
+        except MlflowException as exc:
+            if getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
+                return False
+            raise
+        return True
 
     def metrics(self, values: Mapping[str, float], step: int) -> None:
         from mlflow.entities import Metric
@@ -182,6 +316,9 @@ class MLflowTracker:
             step = int(summary.get("steps") or 0)
             self.metrics({f"summary/{k}": v for k, v in summary_metrics(summary).items()}, step)
             self.client.set_tag(self.run_id, "status", str(summary.get("status")))
+            summary_file = self.run_dir / SUMMARY_ARTIFACT
+            if summary_file.is_file():
+                self.client.log_artifact(self.run_id, str(summary_file))
         ended = {"success": "FINISHED", "target_not_reached": "FINISHED", "preempted": "KILLED"}
         self.client.set_terminated(self.run_id, status=ended.get(str(status), "FAILED"))
 
@@ -190,11 +327,16 @@ class WandbTracker:
     """One W&B run per kfac-bench run, offline unless ``WANDB_MODE`` is set (continued on resume).
 
     Raises:
-        UserError: wandb is not installed.
+        UserError: wandb is not installed, or the W&B run cannot start (one line).
     """
 
     def __init__(
-        self, run_dir: Path, config: Mapping[str, Any], uri: str | None, project: str
+        self,
+        run_dir: Path,
+        config: Mapping[str, Any],
+        uri: str | None,
+        project: str,
+        environment: Mapping[str, Any] | None = None,
     ) -> None:
         try:
             import wandb
@@ -210,17 +352,28 @@ class WandbTracker:
         # is gone in 0.2x), so the id is made here.
         run_id = _saved_id(self.run_dir, "wandb_run_id") or secrets.token_hex(4)
         directory = Path(uri) if uri else self.run_dir
-        directory.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(
-            project=project,
-            name=self.run_dir.name,
-            id=run_id,
-            resume="allow",
-            dir=str(directory),
-            config=params(config),
-            tags=[_arm(config)],
-            reinit="create_new",
-        )
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            tags = run_tags(self.run_dir, config, environment)
+            self.run = wandb.init(
+                project=project,
+                name=run_name(self.run_dir),
+                id=run_id,
+                resume="allow",
+                dir=str(directory),
+                config=params(config),
+                # W&B tags are short labels (at most 64 characters): the arm, and key=value for the rest
+                tags=[tags.pop("arm"), *(f"{k}={v}"[:64] for k, v in tags.items())],
+                reinit="create_new",
+            )
+        except (
+            Exception
+        ) as exc:  # wandb's own (a bad directory, its service not starting): one line
+            raise UserError(
+                f"train.tracker=wandb: cannot start the W&B run in {directory} "
+                f"({type(exc).__name__}: {_one_line(exc)}); fix WANDB_* settings or train.tracker_uri, "
+                "or set train.tracker=none"
+            ) from None
         _save_id(self.run_dir, "wandb_run_id", run_id)
 
     def metrics(self, values: Mapping[str, float], step: int) -> None:
@@ -235,11 +388,21 @@ class WandbTracker:
 
 
 def open_tracker(
-    kind: str, run_dir: Path, config: Mapping[str, Any], uri: str | None, project: str
-) -> Tracker | None:
-    """The tracker ``train.tracker`` names, or None for ``none``."""
-    if kind == "mlflow":
-        return MLflowTracker(run_dir, config, uri, project)
-    if kind == "wandb":
-        return WandbTracker(run_dir, config, uri, project)
-    return None
+    kind: str,
+    run_dir: Path,
+    config: Mapping[str, Any],
+    uri: str | None,
+    project: str,
+    environment: Mapping[str, Any] | None = None,
+) -> BestEffort | None:
+    """The tracker ``train.tracker`` names, opened and made best effort (:class:`BestEffort`), or None for
+    ``none``.
+
+    Raises:
+        UserError: the tracker cannot be opened (one line naming the fix).
+    """
+    kinds = {"mlflow": MLflowTracker, "wandb": WandbTracker}
+    if kind not in kinds:
+        return None
+    tracker = kinds[kind](run_dir, config, uri, project, environment)
+    return BestEffort(tracker, f"train.tracker={kind}")

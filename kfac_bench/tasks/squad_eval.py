@@ -95,7 +95,7 @@ def read_predictions(path: str | os.PathLike[str]) -> dict[str, str]:
     """A prediction file: one JSON object mapping question ids to answer strings.
 
     Raises:
-        UserError: a missing file, invalid JSON, or not an object of strings.
+        UserError: a missing file, invalid or too deeply nested JSON, or not an object of strings.
     """
     file = Path(path)
     if not file.is_file():
@@ -105,6 +105,11 @@ def read_predictions(path: str | os.PathLike[str]) -> dict[str, str]:
             predictions = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"prediction file '{file}' is not valid JSON ({err})") from None
+    except RecursionError:
+        raise UserError(
+            f"prediction file '{file}' is nested too deeply to read: expected one JSON object mapping "
+            "question ids to answer strings"
+        ) from None
     if not isinstance(predictions, dict):
         raise UserError(
             f"prediction file '{file}' holds a JSON {type(predictions).__name__}: expected an object "

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
 from kfac_bench.checkpoint.elastic import World, accumulation_for
@@ -39,7 +39,7 @@ from kfac_bench.launcher.signals import PreemptionFlag
 from kfac_bench.metrics.mlperf import writes_log
 from kfac_bench.metrics.recorder import Recorder
 from kfac_bench.metrics.timekeeping import StageTimes, StepTimer, TargetTracker
-from kfac_bench.metrics.trackers import open_tracker
+from kfac_bench.metrics.trackers import Tracker
 from kfac_bench.train.loop import Loop
 from kfac_bench.train.mlperf_facts import run_facts
 from kfac_bench.train.optim import base_lr, build_lr_scheduler, build_optimizer, lr_factor
@@ -108,8 +108,10 @@ def build_run(
     env: DistEnv,
     device: torch.device,
     starting_world_size: int | None = None,
+    experiment_tracker: Tracker | None = None,
 ) -> Run:
-    """Build a run from its composed config, for this rank of ``env`` on ``device``.
+    """Build a run from its composed config, for this rank of ``env`` on ``device``;
+    ``experiment_tracker`` is the one rank 0 opened (:func:`kfac_bench.train.run.open_side_channels`).
 
     The model is initialised from ``train.seed`` on every rank (identical weights); augmentation and
     dropout then draw from per-rank streams (``train.seed + rank``).
@@ -208,15 +210,7 @@ def build_run(
             starting_world_size=w0,
             init_start_s=init_start_s,
         ),
-        tracker=open_tracker(
-            str(t.tracker.value),
-            run_dir,
-            OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
-            t.tracker_uri,
-            t.tracker_project,
-        )
-        if env.is_main
-        else None,
+        tracker=experiment_tracker,
     )
     checkpoints = CheckpointManager(
         run_dir / CHECKPOINT_DIR,

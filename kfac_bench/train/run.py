@@ -18,10 +18,13 @@ from kfac_bench.errors import UserError
 from kfac_bench.launcher import distributed, rundir
 from kfac_bench.launcher.signals import EXIT_REQUEUE, PreemptionFlag
 from kfac_bench.metrics import summary
+from kfac_bench.metrics.environment import run_environment
+from kfac_bench.metrics.sinks import check_log_dir
+from kfac_bench.metrics.trackers import Tracker, open_tracker
 from kfac_bench.train.build import Run, build_run, seed_everything
 from kfac_bench.train.loop import run_loop
 
-__all__ = ["EXIT_CODES", "train"]
+__all__ = ["EXIT_CODES", "open_side_channels", "train"]
 
 #: Process exit status per run status. A diverged run is a result (status in summary.json), not a crash,
 #: so it exits 0 and a torchrun restart does not replay it. A preempted rank under torchrun exits 0 too
@@ -99,7 +102,15 @@ def _train(
         else None
     )
     elastic.check_kfac_world(cfg, env.world_size)
-    run = build_run(cfg, run_dir, env, device, starting_world_size=starting)
+    tracker = open_side_channels(cfg, run_dir, env, device)
+    try:
+        run = build_run(
+            cfg, run_dir, env, device, starting_world_size=starting, experiment_tracker=tracker
+        )
+    except BaseException:
+        if tracker is not None:
+            tracker.finish(None, None)  # the run never started: FAILED, not RUNNING forever
+        raise
     loop, state = run.loop, run.loop.state
     loop.preempt = flag
 
@@ -171,6 +182,34 @@ def _train(
         if status == "preempted":  # last: the checkpoint and summary are complete
             rundir.mark_preempted(run_dir, state.step, flag.signum)
     return status
+
+
+def open_side_channels(
+    cfg: DictConfig, run_dir: Path, env: distributed.DistEnv, device: torch.device
+) -> Tracker | None:
+    """Before anything is built, rank 0 checks the TensorBoard folder (``train.tensorboard``) and opens
+    the experiment tracker (``train.tracker``); a refusal (one line naming the fix) stops every rank.
+    Returns the tracker on rank 0 (best effort from here on), None elsewhere."""
+    tracker, error = None, None
+    if env.is_main:
+        try:
+            if cfg.train.tensorboard:
+                check_log_dir(run_dir / "tb", "train.tensorboard")
+            kind = str(cfg.train.tracker.value)
+            tracker = open_tracker(
+                kind,
+                run_dir,
+                OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
+                cfg.train.tracker_uri,
+                cfg.train.tracker_project,
+                environment=run_environment(device) if kind != "none" else None,
+            )
+        except UserError as exc:
+            error = str(exc)
+    error = from_main(error)
+    if error is not None:
+        raise UserError(error)
+    return tracker
 
 
 def _summarize(

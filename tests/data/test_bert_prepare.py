@@ -242,3 +242,122 @@ def test_refuses_to_mix_with_old_shards_and_bad_input(prepared, tmp_path: Path) 
         prepare_shards(
             [corpus], tmp_path / "z", max_predictions_per_seq=0, vocab_file=prepared.vocab_file
         )
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_pydoc_corpus(tmp_path_factory.mktemp("corpus") / "c.txt", max_documents=6)
+
+
+def _cli_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """``kfac-bench prepare-bert ARGS`` in this process: exit status 2 and one error line."""
+    from kfac_bench.cli import main as cli
+
+    assert cli(["prepare-bert", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kfac-bench: error: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize(
+    "make, problem",
+    [
+        (lambda d, c: ["--input", str(d / "bin.dat")], "not UTF-8"),
+        (lambda d, c: ["--input", str(c), "--vocab-file", str(d / "empty.txt")], "lacks [PAD]"),
+        (lambda d, c: ["--input", str(c), "--vocab-file", str(d / "bin.dat")], "not UTF-8 text"),
+        (lambda d, c: ["--input", str(c), "--output-dir", str(c)], "--output-dir"),
+        (lambda d, c: ["--input", str(c), "--output-dir", "/proc/no/such"], "--output-dir"),
+        (lambda d, c: ["--input", str(c), "--short-seq-prob", "-0.1"], "short_seq_prob"),
+        (lambda d, c: ["--input", str(c), "--vocab-size", "-5"], "vocab_size must be"),
+        (lambda d, c: ["--input", str(c), "--vocab-size", "40"], "raise --vocab-size"),
+    ],
+    ids=[
+        "binary-input",
+        "empty-vocab",
+        "binary-vocab",
+        "output-dir-is-a-file",
+        "output-dir-cannot-be-made",
+        "negative-short-seq-prob",
+        "negative-vocab-size",
+        "wordpiece-vocab-over-vocab-size",
+    ],
+)
+def test_bad_inputs_give_one_line_and_status_2(
+    small_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], make, problem: str
+) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "bin.dat").write_bytes(bytes(range(256)) * 64)
+    (tmp_path / "empty.txt").write_bytes(b"")
+    args = make(tmp_path, small_corpus)
+    if "--output-dir" not in args:
+        args += ["--output-dir", str(tmp_path / "out")]
+    assert problem in _cli_error(args, capsys)
+    assert not list(tmp_path.rglob("*.hdf5"))
+
+
+def test_a_shard_that_cannot_be_written_is_one_line(
+    prepared, small_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "heldout").write_text("a file where the held-out shards go")
+    args = ["--input", str(small_corpus), "--vocab-file", str(prepared.vocab_file)]
+    args += ["--output-dir", str(tmp_path), "--heldout-fraction", "0.4", "--dupe-factor", "1"]
+    line = _cli_error(args, capsys)
+    assert f"cannot write {tmp_path / 'heldout'}" in line and "--output-dir" in line
+
+
+def test_wordpiece_vocabulary_stays_within_vocab_size(small_corpus: Path, tmp_path: Path) -> None:
+    result = prepare_shards([small_corpus], tmp_path, vocab_size=300, dupe_factor=1)
+    assert result.vocab_size <= 300
+    assert len(result.vocab_file.read_text().splitlines()) == result.vocab_size
+
+
+def test_a_line_over_the_limit_is_refused_before_it_is_held(
+    prepared, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A line longer than MAX_LINE_CHARS is refused naming its file and line; reading stops at the
+    limit, so the line is never held whole (here a 64-character limit and a 10,000-character line)."""
+    import kfac_bench.data.bert_corpus as corpus
+
+    monkeypatch.setattr(corpus, "MAX_LINE_CHARS", 64)
+    text = tmp_path / "long.txt"
+    text.write_text("A short first sentence.\n\n" + "word " * 2000 + "\n\nLast one here.\n")
+    seen: list[int] = []
+    real_open = open
+
+    class Spy:
+        def __init__(self, f):  # type: ignore[no-untyped-def]
+            self.f = f
+
+        def __enter__(self):  # type: ignore[no-untyped-def]
+            return self
+
+        def __exit__(self, *a):  # type: ignore[no-untyped-def]
+            self.f.close()
+
+        def readline(self, limit: int = -1) -> str:
+            line = self.f.readline(limit)
+            seen.append(len(line))
+            return line
+
+    monkeypatch.setattr(corpus, "open", lambda *a, **k: Spy(real_open(*a, **k)), raising=False)
+    with pytest.raises(DatasetError, match=r"long\.txt.*line 3 is longer than 64 characters"):
+        prepare_shards([text], tmp_path / "out", vocab_file=prepared.vocab_file)
+    assert max(seen) == 65
+
+
+def test_streamed_tokenisation_matches_one_batch(prepared) -> None:
+    """Documents tokenised a batch at a time across batch edges equal the whole corpus encoded at once."""
+    import kfac_bench.data.bert_corpus as corpus
+
+    path = prepared.vocab_file.parent / "pydoc_corpus.txt"
+    tokenizer = corpus.load_tokenizer(prepared.vocab_file)
+    docs = [[s for s in d.split("\n") if s] for d in path.read_text().split("\n\n")]
+    docs = [d for d in docs if d]
+    whole = [[e.ids for e in tokenizer.encode_batch(d, add_special_tokens=False)] for d in docs]
+    expected = [[s for s in d if s] for d in whole if any(d)]
+    saved = corpus._TOKENIZE_BATCH_CHARS
+    try:
+        corpus._TOKENIZE_BATCH_CHARS = 500  # many batch edges, inside documents too
+        streamed = corpus.tokenize_files(tokenizer, [path])
+    finally:
+        corpus._TOKENIZE_BATCH_CHARS = saved
+    assert [[list(s) for s in d] for d in streamed] == expected

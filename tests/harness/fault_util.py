@@ -31,14 +31,18 @@ def env(**extra: str) -> dict[str, str]:
 _default_env = env
 
 
-def fault(marker: Path, at: int, action: str, rank: int = 0) -> list[str]:
-    """Overrides that make the model do ``action`` once, at its ``at``-th training step on ``rank``."""
+def fault(
+    marker: Path, at: int, action: str, rank: int = 0, store: Path | None = None
+) -> list[str]:
+    """Overrides that make the model do ``action`` once, at its ``at``-th training step on ``rank``
+    (``store``: the folder a ``store-*`` action breaks; tests/harness/faulty.py)."""
     return [
         FAULTY,
         f"+model.marker={marker}",
         f"+model.at={at}",
         f"+model.action={action}",
         f"+model.rank={rank}",
+        *([f"+model.store={store}"] if store is not None else []),
     ]
 
 

@@ -1,25 +1,52 @@
-"""A model builder that injects one fault mid-run: a rank that dies (torchrun restarts from a checkpoint), or
-a preemption signal sent to the process itself."""
+"""A model builder that injects one fault mid-run: a rank that dies (torchrun restarts from a checkpoint), a
+preemption signal sent to the process itself, or a side channel's store that breaks."""
 
 from __future__ import annotations
 
+import builtins
+import errno
+import io
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from kfac_bench.models.small_cnn import SmallCNN
 
 
+def break_store(store: Path, code: int) -> None:
+    """From now on this process cannot write under ``store`` (a tracker's store): opening a file there for
+    writing fails with ``OSError(code)``, as on a full (ENOSPC) or read-only (EROFS) filesystem; reading and
+    every other path are untouched."""
+    real_open = builtins.open
+    root = str(Path(store).resolve())
+
+    def failing_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        writing = any(c in mode for c in "wax+")
+        if writing and isinstance(file, (str, os.PathLike)):
+            path = os.path.abspath(os.fspath(file))
+            if path == root or path.startswith(root + os.sep):
+                raise OSError(code, os.strerror(code), path)
+        return real_open(file, mode, *args, **kwargs)
+
+    builtins.open = io.open = failing_open  # io.open: what pathlib's writes call
+
+
 class FaultOnce(SmallCNN):
     """SmallCNN that, at its ``at``-th training forward on rank ``rank``, does ``action`` once per marker:
-    ``exit`` (``os._exit(1)``), ``kill`` (SIGKILL to itself) or a signal name (``USR1``, ``USR2``,
-    ``TERM``) sent to itself, as a cluster would send it, after which it trains on."""
+    ``exit`` (``os._exit(1)``), ``kill`` (SIGKILL to itself), a signal name (``USR1``, ``USR2``, ``TERM``)
+    sent to itself, as a cluster would send it, after which it trains on; or ``store-ENOSPC`` /
+    ``store-EROFS`` (:func:`break_store` of ``store``), optionally followed by a signal
+    (``store-EROFS+TERM``)."""
 
-    def __init__(self, marker: str, at: int, action: str, rank: int = 0, **kwargs: int) -> None:
+    def __init__(
+        self, marker: str, at: int, action: str, rank: int = 0, store: str = "", **kwargs: int
+    ) -> None:
         super().__init__(**kwargs)
         self.marker, self.at, self.action, self.rank = Path(marker), at, action, rank
+        self.store = store
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -27,14 +54,15 @@ class FaultOnce(SmallCNN):
             self.calls += 1
             if self.calls == self.at and not self.marker.exists():
                 self.marker.write_text(self.action)
-                if self.action == "exit":
+                action = self.action
+                if action.startswith("store-"):
+                    broken, _, action = action.partition("+")
+                    break_store(Path(self.store), getattr(errno, broken.removeprefix("store-")))
+                if action == "exit":
                     os._exit(1)
-                sig = (
-                    signal.SIGKILL
-                    if self.action == "kill"
-                    else getattr(signal, f"SIG{self.action}")
-                )
-                os.kill(os.getpid(), sig)
+                if action:
+                    sig = signal.SIGKILL if action == "kill" else getattr(signal, f"SIG{action}")
+                    os.kill(os.getpid(), sig)
         return super().forward(x)
 
 
@@ -43,6 +71,7 @@ def build_fault_once(
     at: int,
     action: str,
     rank: int = 0,
+    store: str = "",
     channels: int = 8,
     hidden: int = 32,
     num_classes: int = 10,
@@ -53,6 +82,7 @@ def build_fault_once(
         at,
         action,
         rank,
+        store,
         channels=channels,
         hidden=hidden,
         num_classes=num_classes,

@@ -144,6 +144,7 @@ def test_bad_arguments_give_one_line(tmp_path: Path, make_args, problem: str) ->
     [
         ("{not json", "not valid JSON"),
         (json.dumps(["Denver"]), "holds a JSON list"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
         (json.dumps({"exact": 1976}), "is a int, not a string"),
         (
             json.dumps({"exact": "Denver", "56be4db0acb8001400a502ec": "x"}),
@@ -168,3 +169,16 @@ def test_squad2_data_file_gives_one_line(tmp_path: Path) -> None:
     with pytest.raises(UserError) as info:
         main([str(data), str(preds)])
     assert "\n" not in str(info.value) and "dev-v2.0.json" in str(info.value)
+
+
+def test_deeply_nested_data_file_is_one_line_and_status_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kfac_bench.cli import main as cli
+
+    data = tmp_path / "dev-v1.1.json"
+    data.write_text('{"version": "1.1", "data": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    preds = write_json(tmp_path / "p.json", PREDICTIONS)
+    assert cli(["squad-eval", str(data), str(preds)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "dev-v1.1.json" in err[0] and "nested too deeply" in err[0], err
