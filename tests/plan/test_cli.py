@@ -167,3 +167,30 @@ def test_the_default_output_is_a_fresh_folder_under_runs(
     )
     gitignore = (REPO / ".gitignore").read_text().splitlines()
     assert "runs/" in gitignore
+
+
+@pytest.mark.slow
+def test_plan_with_the_paper_profile_prints_the_time_to_solution(tmp_path: Path) -> None:
+    """The documented command: the table, time_to_solution in plan.json, and the Fig.-8-style plot."""
+    out = tmp_path / "paper"
+    result = run_cli(
+        "plan",
+        "+recipe=resnet50_imagenet",
+        "kfac.reference_world_size=320",
+        f"plan.profile_file={REPO / 'profiles' / 'paper_v100_resnet50.yaml'}",
+        "plan.world_sizes=[16,64,256]",
+        f"plan.out={out}",
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert (out / "time_to_solution.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plan = json.loads((out / "plan.json").read_text())
+    entries = plan["time_to_solution"]
+    assert [(e["world_size"], e["arm"]) for e in entries] == [
+        (n, arm) for n in (16, 64, 256) for arm in ("sgd", "comm_opt", "mem_opt", "hybrid_opt")
+    ]
+    assert all(e["minutes"] > 0 for e in entries)
+    table = result.stdout[result.stdout.index("time to solution") :]
+    at_64 = next(line for line in table.splitlines() if line.split()[:1] == ["64"])
+    assert "50/500" in at_64 and f"{entries[4]['minutes']:.1f}" in at_64
