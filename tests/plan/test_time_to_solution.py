@@ -205,3 +205,35 @@ def test_the_paper_profile_gives_a_source_for_every_value() -> None:
     values += ["network.bandwidth_gb_s", "network.latency_us"]
     assert sorted(profile.sources) == sorted(values)
     assert all(len(s) > 20 for s in profile.sources.values())
+
+
+def test_a_small_recipe_with_a_profile_of_its_own(tmp_path: Path) -> None:
+    """digits (1438 training images, 256 per GPU) against a world-1 profile without network figures: the
+    arms' epochs come from digits and digits_sgd, and at 8 GPUs an epoch holds no full batch."""
+    profile_path = tmp_path / "digits.yaml"
+    profile_path.write_text(
+        "model: build_small_cnn\n"
+        "measured_at: {world_size: 1, batch_size: 128, grad_workers: 1, placement: lpt}\n"
+        "baseline_step_s: {value: 0.004, source: a made-up step}\n"
+        "stages_s: {factor: 0.001, decomposition: 0.002, precondition: 0.0005, kl_clip: 0.0001}\n"
+    )
+    planned = load_recipe(["+recipe=digits"])
+    assert planned.length is not None
+    baseline = load_baseline(["+recipe=digits"], planned.length)
+    assert (baseline.recipe, baseline.kfac, baseline.examples) == ("digits_sgd", False, 1438)
+    net = Network(1e9, 0.0, "test")
+    entries, info = project(
+        planned, planned.length, baseline, load_profile(profile_path), net, [1, 2, 8]
+    )
+    one = {e["arm"]: e for e in entries if e["world_size"] == 1}
+    # World 1: no communication; the step is the profile's, twice the examples (256 against 128).
+    assert one["sgd"]["step_s"] == pytest.approx(2 * 0.004)
+    assert one["sgd"]["steps"] == baseline.epochs * (1438 // 256)
+    f, k = planned.settings.intervals(1)
+    assert one["comm_opt"]["step_s"] == pytest.approx(
+        2 * 0.004 + 0.0005 + 0.0001 + 2 * 0.001 / f + 0.002 / k
+    )
+    eight = [e for e in entries if e["world_size"] == 8]
+    assert all(e["minutes"] is None and "holds no step" in e["reason"] for e in eight)
+    text = render_time_to_solution({"time_to_solution": entries, "time_to_solution_model": info})
+    assert "not projected: an epoch of 1438 examples holds no step at 8 GPUs" in text
