@@ -15,6 +15,7 @@ from kfac_bench.plan.costs import Scenario, equal_group_workers, rank_loads
 from kfac_bench.plan.recipe import build_meta_model, engine_settings
 from tests.harness.util import REPO, run_cli
 
+PAPER_PROFILE = REPO / "profiles" / "paper_v100_resnet50.yaml"
 ROW_KEYS = {
     "world_size",
     "placement",
@@ -104,6 +105,18 @@ def test_plan_writes_its_schema_a_plot_and_a_recommendation(tmp_path: Path) -> N
             "plan.profile=true and plan.profile_file both",
         ),
         (["+recipe=digits", "plan.dataset_size=0"], "plan.dataset_size=0 must be >= 1"),
+        (
+            ["+recipe=digits", f"plan.profile_file={PAPER_PROFILE}", "plan.baseline=digits"],
+            "plan.baseline=digits trains with K-FAC: name a first-order recipe, e.g. digits_sgd",
+        ),
+        (
+            ["+recipe=digits_smoke", f"plan.profile_file={PAPER_PROFILE}"],
+            "no baseline recipe 'digits_sgd_smoke' for 'digits_smoke': name one with plan.baseline=",
+        ),
+        (
+            ["+recipe=digits", f"plan.profile_file={PAPER_PROFILE}"],
+            "was measured on model 'resnet50', the recipe 'digits' plans 'build_small_cnn'",
+        ),
     ],
 )
 def test_bad_input_gives_one_line_and_status_2(
