@@ -298,6 +298,7 @@ def project(
         "placement": planned.placement,
         "factor_reduction": planned.factor_reduction,
         "reference": model.reference,
+        "recipe_precision": planned.precision,
     }
     return entries, info
 
@@ -372,6 +373,11 @@ def render_time_to_solution(plan: dict[str, Any]) -> str:
         lines.append(
             f"  {n:>5} {gb if gb is not None else '—':>12} {ivs:>10} | "
             + " | ".join(_cell(here.get(a), base["optimizer"]) for a in arms)
+        )
+    if prof["precision"] not in ("unstated", info.get("recipe_precision", prof["precision"])):
+        lines.append(
+            f"  note: the profile was measured in {prof['precision']}, the recipe trains in "
+            f"{info['recipe_precision']}; its step and stage times are taken as they are"
         )
     missing = sorted({e["reason"] for e in entries if e["minutes"] is None and e["reason"]})
     lines += [f"  not projected: {r}" for r in missing]

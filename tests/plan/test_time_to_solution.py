@@ -212,7 +212,7 @@ def test_a_small_recipe_with_a_profile_of_its_own(tmp_path: Path) -> None:
     arms' epochs come from digits and digits_sgd, and at 8 GPUs an epoch holds no full batch."""
     profile_path = tmp_path / "digits.yaml"
     profile_path.write_text(
-        "model: build_small_cnn\n"
+        "model: build_small_cnn\nprecision: bf16\n"
         "measured_at: {world_size: 1, batch_size: 128, grad_workers: 1, placement: lpt}\n"
         "baseline_step_s: {value: 0.004, source: a made-up step}\n"
         "stages_s: {factor: 0.001, decomposition: 0.002, precondition: 0.0005, kl_clip: 0.0001}\n"
@@ -237,3 +237,4 @@ def test_a_small_recipe_with_a_profile_of_its_own(tmp_path: Path) -> None:
     assert all(e["minutes"] is None and "holds no step" in e["reason"] for e in eight)
     text = render_time_to_solution({"time_to_solution": entries, "time_to_solution_model": info})
     assert "not projected: an epoch of 1438 examples holds no step at 8 GPUs" in text
+    assert "measured in bf16, the recipe trains in fp32" in text
