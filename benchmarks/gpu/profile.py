@@ -23,11 +23,14 @@ MODELS = {"torchvision resnet50": "resnet50"}
 
 
 def profile_text(report: dict[str, Any]) -> str | None:
-    """The profile of ``report``'s ResNet-50 measurement, or None while it has no per-kind medians."""
+    """The profile of ``report``'s ResNet-50 measurement, or None while it has no per-kind medians of every
+    step kind and no workload batch (the report is rewritten as figures arrive)."""
     sec = report["sections"].get("resnet50", {})
     data = sec.get("data") or {}
     kinds, work = data.get("per_kind"), data.get("workload")
-    if not kinds or not work:
+    if not kinds or not work or "batch" not in work:
+        return None
+    if any(kind not in kinds for kind in ("plain", "factor", "decomposition")):
         return None
     env = report["sections"].get("environment", {}).get("data", {}).get("environment", {})
     device = str(env.get("device_name") or "unknown device")

@@ -110,6 +110,8 @@ def test_the_resnet50_stages_become_a_plan_profile(tmp_path: Path) -> None:
     }
     report = gpu_report.new_report({n: n for n in SECTIONS}, False, "test", None)
     assert gpu_profile.profile_text(report) is None  # nothing measured yet
+    report["sections"]["resnet50"]["data"] = {**data, "workload": {"label": "no batch yet"}}
+    assert gpu_profile.profile_text(report) is None  # the report is rewritten as figures arrive
     report["sections"]["resnet50"]["data"] = data
     path = tmp_path / gpu_profile.NAME
     path.write_text(gpu_profile.profile_text(report) or "")
