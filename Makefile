@@ -63,7 +63,7 @@ test: ruff  ## lint and the whole suite but the GPU tests: test-fast and test-sl
 bench: $(STAMP)  ## K-FAC overhead benchmark (CPU): step-time ratios K-FAC/SGD by stage; ARGS=--quick: a smoke run
 	$(BIN)/python -m benchmarks.overhead $(ARGS)
 
-gpu-check: $(STAMP)  ## GPU readiness check on one CUDA device (~5 min) -> gpu-report.json/.md; ARGS=--dry-run: CPU rehearsal
+gpu-check: $(STAMP)  ## GPU readiness check on one CUDA device (~5 min) -> gpu-report.json/.md, gpu-profile.yaml (a plan profile); ARGS=--dry-run: CPU rehearsal
 	$(BIN)/python -m benchmarks.gpu $(ARGS)
 
 format: $(STAMP)  ## apply ruff's formatter and import sorting

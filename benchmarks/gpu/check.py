@@ -2,8 +2,9 @@
 
 Run ``python -m benchmarks.gpu`` (or ``make gpu-check``) on a machine with a CUDA device; it takes about 5
 minutes and at most ``--time-limit`` (450 s) and writes ``gpu-report.json`` and ``gpu-report.md`` to ``--out``
-(default: the current directory). ``--dry-run`` runs every step at tiny sizes on the CPU and writes the same
-files (the test suite runs it).
+(default: the current directory), and ``gpu-profile.yaml``, the ResNet-50 stage costs as a profile for
+``kfac-bench plan`` (``benchmarks/gpu/profile.py``). ``--dry-run`` runs every step at tiny sizes on the CPU
+and writes the same files (the test suite runs it).
 
 Steps (each a section of the report, in this order): ``environment`` (device, driver, CUDA / cuDNN / NCCL /
 torch versions), ``gpu_tests`` (``pytest -m gpu``), ``resnet50`` (ResNet-50 224², batch 64, bf16,
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.gpu import profile as gpu_profile
 from benchmarks.gpu import report as gpu_report
 
 REPO = Path(__file__).resolve().parents[2]
@@ -391,6 +393,9 @@ def write_report(report: dict, out: Path) -> None:
     report["targets"] = gpu_report.targets(report)
     _atomic(out / gpu_report.JSON_NAME, json.dumps(report, indent=2, default=str) + "\n")
     _atomic(out / gpu_report.MD_NAME, gpu_report.markdown(report))
+    profile = gpu_profile.profile_text(report)  # for kfac-bench plan plan.profile_file=...
+    if profile is not None:
+        _atomic(out / gpu_profile.NAME, profile)
 
 
 def run_child(args: argparse.Namespace) -> int:

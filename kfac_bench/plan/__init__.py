@@ -4,6 +4,8 @@
 scan and settings) → :mod:`.costs` (per-rank memory, traffic and decomposition load of one world size ×
 fraction × placement × factor reduction, with the engine's ``assign`` and ``make_buckets``) → :mod:`.timing`
 and :mod:`.profile` (seconds per stage) → :mod:`.report` and :mod:`.plot` (``plan.json``, the table,
-``plan.png``); :mod:`.reference` sets KAISA Table 5 beside the reference code's layout. It imports the engine,
-configs, data and models, never the training loop.
+``plan.png``); :mod:`.reference` sets KAISA Table 5 beside the reference code's layout;
+:mod:`.time_to_solution` projects the minutes to the end of training per world size and arm from a profile
+(:mod:`.stage_profile`) and the arms' recipes (:mod:`.length`). It imports the engine, configs, data and
+models, never the training loop.
 """

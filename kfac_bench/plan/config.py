@@ -34,22 +34,34 @@ class PlanConfig:
         world_sizes: numbers of ranks (GPUs) to plan for, 1 to :data:`MAX_WORLD_SIZE`.
         fractions: ``grad_worker_fraction`` values to plan (numbers or ``comm_opt``/``hybrid_opt``/
             ``mem_opt``); None: every fraction that splits each world size into equal groups (KAISA §3.1).
-        out: folder for ``plan.json`` and ``plan.png``.
+        out: folder for ``plan.json``, ``plan.png`` and ``time_to_solution.png``; None:
+            ``runs/plan/<recipe>_<date>-<time>`` (``runs/`` is git-ignored).
         memory_budget_gb: per-GPU memory K-FAC may use (GiB); recommends the fastest fitting row.
         profile: time the decomposition and GEMM at the model's factor sizes on this machine's device
             (CUDA if available) and use those rates for the seconds per stage.
         profile_seconds: cap on the profiling time.
         bandwidth_gb_s: assumed per-rank network bandwidth in GB/s for the communication seconds (default:
-            100 Gb/s InfiniBand EDR, the interconnect of the papers' V100 cluster).
+            the profile file's, else 12.5: 100 Gb/s InfiniBand EDR, the interconnect of the papers' V100
+            cluster).
+        latency_us: the network's latency per ring step in µs, for the time to solution (default: the
+            profile file's, else NCCL's own model of a ring step over the network, 6.6).
+        profile_file: a YAML of per-stage costs and the baseline's step time measured elsewhere
+            (:mod:`kfac_bench.plan.stage_profile`); the time to solution is projected from it.
+        baseline: the baseline arm's recipe (default: ``<recipe>_<optimizer>``).
+        dataset_size: training examples, for datasets whose size the config does not state.
     """
 
     world_sizes: List[int] = field(default_factory=lambda: [8, 16, 32, 64, 128])
     fractions: List[str] | None = None
-    out: str = "plan"
+    out: str | None = None
     memory_budget_gb: float | None = None
     profile: bool = False
     profile_seconds: float = 20.0
-    bandwidth_gb_s: float = 12.5
+    bandwidth_gb_s: float | None = None
+    latency_us: float | None = None
+    profile_file: str | None = None
+    baseline: str | None = None
+    dataset_size: int | None = None
 
     def __post_init__(self) -> None:
         if not self.world_sizes:
@@ -74,8 +86,19 @@ class PlanConfig:
             )
         if not self.profile_seconds > 0:
             raise ConfigError(f"plan.profile_seconds={self.profile_seconds} must be > 0")
-        if not self.bandwidth_gb_s > 0:
+        if self.bandwidth_gb_s is not None and not self.bandwidth_gb_s > 0:
             raise ConfigError(f"plan.bandwidth_gb_s={self.bandwidth_gb_s} must be > 0")
+        if self.latency_us is not None and not self.latency_us >= 0:
+            raise ConfigError(f"plan.latency_us={self.latency_us} must be >= 0")
+        if self.dataset_size is not None and self.dataset_size < 1:
+            raise ConfigError(
+                f"plan.dataset_size={self.dataset_size} must be >= 1 (training examples)"
+            )
+        if self.profile and self.profile_file is not None:
+            raise ConfigError(
+                "plan.profile=true and plan.profile_file both give the stage costs: choose one "
+                "(the time to solution needs plan.profile_file's baseline step)"
+            )
         self.world_sizes = sorted(set(self.world_sizes))
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_plan"]
+__all__ = ["plot_plan", "plot_time_to_solution"]
 
 GIB = 2**30
 
@@ -131,6 +131,44 @@ def plot_plan(plan: dict[str, Any], path: Path) -> Path:
     cost_ax.set_ylabel("Σ n³ on the busiest rank")
     cost_ax.set_title("decomposition makespan")
     cost_ax.legend(fontsize=7)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _time_bars(ax: Any, plan: dict[str, Any]) -> None:
+    """Minutes to the end of training as bars, a group per world size and a bar per arm (TPDS Fig. 8's
+    layout), each labelled with its minutes; log scale."""
+    entries = [e for e in plan["time_to_solution"] if e["minutes"] is not None]
+    arms = list(dict.fromkeys(e["arm"] for e in plan["time_to_solution"]))
+    worlds = sorted({e["world_size"] for e in plan["time_to_solution"]})
+    width = 0.8 / max(len(arms), 1)
+    for i, arm in enumerate(arms):
+        at = {e["world_size"]: e["minutes"] for e in entries if e["arm"] == arm}
+        xs = [j + (i - (len(arms) - 1) / 2) * width for j, n in enumerate(worlds) if n in at]
+        ys = [at[n] for n in worlds if n in at]
+        bars = ax.bar(xs, ys, width, label=arm, color=f"C{i}")
+        ax.bar_label(bars, [f"{y:.0f}" for y in ys], fontsize=6, padding=1)
+    ax.set_xticks(range(len(worlds)), [str(n) for n in worlds])
+    ax.set_yscale("log")
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("minutes to the end of training")
+    source = plan.get("time_to_solution_model", {}).get("profile", {}).get("path", "")
+    ax.set_title(f"{plan['recipe']}: projected time to solution ({source})", fontsize=9)
+    ax.legend(fontsize=8)
+
+
+def plot_time_to_solution(plan: dict[str, Any], path: Path) -> Path:
+    """``time_to_solution.png``: :func:`_time_bars`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = {e["world_size"] for e in plan["time_to_solution"]}
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(worlds) + 2), 4.5), layout="constrained")
+    _time_bars(ax, plan)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

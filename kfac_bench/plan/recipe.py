@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from kfac_bench.config.bounds import validate_run
 from kfac_bench.config.compose import compose_run
 from kfac_bench.config.kfac_adapter import scaled_interval, torch_dtype
 from kfac_bench.data.batching import accumulation_steps
@@ -33,6 +34,7 @@ from kfac_bench.kfac.subsample import check_fraction
 from kfac_bench.models.layer_types import register_harness_layer_types
 
 from .factors import FactorCalls, factor_calls, model_input
+from .length import RunLength, run_length
 
 __all__ = ["EngineSettings", "PlannedModel", "build_meta_model", "engine_settings", "load_recipe"]
 
@@ -92,6 +94,12 @@ class PlannedModel:
     global_batch_size: int | None
     default_accumulation: int
     factor_calls: FactorCalls
+    # The recipe's strategy, placement and factor reduction (the time-to-solution projection's K-FAC arm),
+    # and its length.
+    grad_worker_fraction: str = "comm_opt"
+    placement: str = "lpt"
+    factor_reduction: str = "allreduce"
+    length: RunLength | None = None
 
     @property
     def layers(self) -> list[LayerSpec]:
@@ -221,13 +229,15 @@ def _settings(model: nn.Module, kfac: Any) -> EngineSettings:
     )
 
 
-def load_recipe(overrides: Sequence[str]) -> PlannedModel:
-    """Compose ``overrides`` (the ``kfac-bench train`` command line) and scan the full-size model.
+def load_recipe(overrides: Sequence[str], dataset_size: int | None = None) -> PlannedModel:
+    """Compose ``overrides`` (the ``kfac-bench train`` command line), check its values as ``train`` does,
+    and scan the full-size model (``dataset_size``: training examples, where the config does not say).
 
     Raises:
         ConfigError: unknown recipe or key, a bad value, or a recipe that trains without K-FAC.
     """
     cfg = compose_run(overrides, return_hydra_config=True)
+    validate_run(cfg)
     recipe = str(cfg.hydra.runtime.choices.get("recipe", cfg.name))
     if not cfg.kfac.enabled:
         raise ConfigError(
@@ -266,4 +276,8 @@ def load_recipe(overrides: Sequence[str]) -> PlannedModel:
         global_batch_size=t.global_batch_size,
         default_accumulation=int(t.accumulation_steps),
         factor_calls=calls,
+        grad_worker_fraction=str(cfg.kfac.grad_worker_fraction),
+        placement=str(cfg.kfac.placement.value),
+        factor_reduction=str(cfg.kfac.factor_reduction.value),
+        length=run_length(cfg, recipe, dataset_size),
     )

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from benchmarks.conv_factor import ConvShape
+from benchmarks.gpu import profile as gpu_profile
 from benchmarks.gpu import report as gpu_report
 from benchmarks.gpu.check import REPO, STEPS, child_env, write_report
 from benchmarks.gpu.measure import (
@@ -28,6 +29,7 @@ from benchmarks.gpu.measure import (
 from benchmarks.training_step import Setup, classification
 from kfac_bench.kfac import STAGES
 from kfac_bench.kfac.layers.conv_unfold import fast_method
+from kfac_bench.plan.stage_profile import load_profile
 from tests.limits import hang_limit
 
 SECTIONS = ("environment", "gpu_tests", "resnet50", "memory", "bert_large", "recipes")
@@ -96,6 +98,45 @@ def test_side_by_side_counts_step_kinds_and_amortises_them() -> None:
     e = data["eigh_check"]
     assert e["bare_eigh_s"] > 0 and e["ratio"] == pytest.approx(e["stage_s"] / e["bare_eigh_s"])
     assert e["stage_s"] == kinds["decomposition"]["stages_s"]["decomposition"]
+
+
+def test_the_resnet50_stages_become_a_plan_profile(tmp_path: Path) -> None:
+    data = _side_by_side(Setup())
+    data["workload"] = {
+        "label": "tiny",
+        "model": "torchvision resnet50",
+        "batch": 8,
+        "precision": "fp32",
+    }
+    report = gpu_report.new_report({n: n for n in SECTIONS}, False, "test", None)
+    assert gpu_profile.profile_text(report) is None  # nothing measured yet
+    report["sections"]["resnet50"]["data"] = {**data, "workload": {"label": "no batch yet"}}
+    assert gpu_profile.profile_text(report) is None  # the report is rewritten as figures arrive
+    report["sections"]["resnet50"]["data"] = data
+    path = tmp_path / gpu_profile.NAME
+    path.write_text(gpu_profile.profile_text(report) or "")
+    profile = load_profile(path)
+    kinds = data["per_kind"]
+    assert profile.model == "resnet50" and profile.precision == "fp32"
+    assert vars(profile.measured_at) == {
+        "world_size": 1,
+        "batch_size": 8,
+        "grad_workers": 1,
+        "placement": "lpt",
+    }
+    assert profile.baseline_step_s == kinds["plain"]["sgd_step_s"]
+    stages = profile.stages_s
+    assert stages["decomposition"] == kinds["decomposition"]["stages_s"]["decomposition"]
+    assert stages["precondition"] == kinds["plain"]["stages_s"]["precondition"]
+    assert stages["kl_clip"] == kinds["plain"]["stages_s"]["kl_clip"]
+
+    def hooks(kind: str) -> float:
+        k = kinds[kind]
+        return k["kfac_forward_backward_s"] - k["sgd_forward_backward_s"]
+
+    assert stages["factor"] == pytest.approx(max(0.0, hooks("factor") - hooks("plain")))
+    assert set(profile.sources) == {"baseline_step_s", *(f"stages_s.{k}" for k in stages)}
+    assert profile.bandwidth_bytes is None  # one device: the planner models the network
 
 
 def test_side_by_side_runs_float16_autocast_with_grad_scalers() -> None:
@@ -271,6 +312,11 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
         # The engine computes factors outside autocast (bf16 ResNet-50, fp16 BERT): every step measures.
         assert s[name]["status"] == "ok", (name, s[name]["status"], s[name]["error"])
         _check_measured(name, s[name]["data"])
+    # The ResNet-50 stages as a plan profile, readable by kfac-bench plan (a CIFAR ResNet-8 in a dry run).
+    profile = load_profile(tmp_path / gpu_profile.NAME)
+    kinds = s["resnet50"]["data"]["per_kind"]
+    assert profile.baseline_step_s == kinds["plain"]["sgd_step_s"]
+    assert profile.model == "CIFAR ResNet-8" and "dry run" in profile.device
     assert code == 0
 
 

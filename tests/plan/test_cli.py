@@ -13,8 +13,9 @@ from kfac_bench.config.compose import compose_run
 from kfac_bench.kfac import FactorReduction, Placement, scan_model
 from kfac_bench.plan.costs import Scenario, equal_group_workers, rank_loads
 from kfac_bench.plan.recipe import build_meta_model, engine_settings
-from tests.harness.util import run_cli
+from tests.harness.util import REPO, run_cli
 
+PAPER_PROFILE = REPO / "profiles" / "paper_v100_resnet50.yaml"
 ROW_KEYS = {
     "world_size",
     "placement",
@@ -91,6 +92,31 @@ def test_plan_writes_its_schema_a_plot_and_a_recommendation(tmp_path: Path) -> N
         (["+recipe=digits", "plan.world_sizes=[0]"], "must be >= 1"),
         (["+recipe=digits", "kfac.bogus=1"], "unknown config key 'kfac.bogus'"),
         (["+recipe=resnet50_imagenet_sgd"], "trains without K-FAC"),
+        (
+            ["+recipe=digits", "kfac.factor_batch_fraction=0"],
+            "invalid value kfac.factor_batch_fraction=0",
+        ),
+        (
+            ["+recipe=digits", "plan.profile_file=nope.yaml"],
+            "plan.profile_file=nope.yaml: no such file",
+        ),
+        (
+            ["+recipe=digits", "plan.profile=true", "plan.profile_file=x.yaml"],
+            "plan.profile=true and plan.profile_file both",
+        ),
+        (["+recipe=digits", "plan.dataset_size=0"], "plan.dataset_size=0 must be >= 1"),
+        (
+            ["+recipe=digits", f"plan.profile_file={PAPER_PROFILE}", "plan.baseline=digits"],
+            "plan.baseline=digits trains with K-FAC: name a first-order recipe, e.g. digits_sgd",
+        ),
+        (
+            ["+recipe=digits_smoke", f"plan.profile_file={PAPER_PROFILE}"],
+            "no baseline recipe 'digits_sgd_smoke' for 'digits_smoke': name one with plan.baseline=",
+        ),
+        (
+            ["+recipe=digits", f"plan.profile_file={PAPER_PROFILE}"],
+            "was measured on model 'resnet50', the recipe 'digits' plans 'build_small_cnn'",
+        ),
     ],
 )
 def test_bad_input_gives_one_line_and_status_2(
@@ -107,3 +133,77 @@ def test_bad_input_gives_one_line_and_status_2(
 def test_plan_keys_stay_out_of_the_training_config() -> None:
     assert "plan" not in compose_run([])
     assert "plan" not in compose_run(["+recipe=resnet50_imagenet"])
+
+
+@pytest.mark.parametrize("under_a_file", [False, True])
+def test_an_output_that_cannot_be_a_folder_stops_before_the_work(
+    under_a_file: bool,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """plan.out a file, or a folder below a file: one line and status 2 before the recipe is loaded."""
+    a_file = tmp_path / "plan.txt"
+    a_file.write_text("kept\n")
+    out = a_file / "sub" if under_a_file else a_file
+
+    def loaded(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the recipe was loaded before plan.out was checked")
+
+    monkeypatch.setattr("kfac_bench.plan.recipe.load_recipe", loaded)
+    status = main(["plan", "+recipe=digits", f"plan.out={out}"])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kfac-bench: error: plan.out={out} ")
+    assert "give a folder" in lines[0]
+    assert a_file.read_text() == "kept\n"
+
+
+def test_the_default_output_is_a_fresh_folder_under_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without plan.out the files go to runs/plan/<recipe>_<date>-<time>/ (runs/ is git-ignored); without a
+    profile the time to solution is an empty list and the reason."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "+recipe=digits", "plan.world_sizes=[2]"]) == 0
+    (folder,) = (tmp_path / "runs" / "plan").iterdir()
+    assert folder.name.startswith("digits_") and len(folder.name) == len("digits_20260101-000000")
+    assert sorted(p.name for p in folder.iterdir()) == ["plan.json", "plan.png"]
+    plan = json.loads((folder / "plan.json").read_text())
+    assert plan["time_to_solution"] == []
+    assert "plan.profile_file" in plan["time_to_solution_model"]["reason"]
+    out = capsys.readouterr().out
+    assert (
+        "time to solution: not projected" in out
+        and f"wrote {Path('runs', 'plan', folder.name)}" in out
+    )
+    gitignore = (REPO / ".gitignore").read_text().splitlines()
+    assert "runs/" in gitignore
+
+
+@pytest.mark.slow
+def test_plan_with_the_paper_profile_prints_the_time_to_solution(tmp_path: Path) -> None:
+    """The documented command: the table, time_to_solution in plan.json, and the Fig.-8-style plot."""
+    out = tmp_path / "paper"
+    result = run_cli(
+        "plan",
+        "+recipe=resnet50_imagenet",
+        "kfac.reference_world_size=320",
+        f"plan.profile_file={REPO / 'profiles' / 'paper_v100_resnet50.yaml'}",
+        "plan.world_sizes=[16,64,256]",
+        f"plan.out={out}",
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert (out / "time_to_solution.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plan = json.loads((out / "plan.json").read_text())
+    entries = plan["time_to_solution"]
+    assert [(e["world_size"], e["arm"]) for e in entries] == [
+        (n, arm) for n in (16, 64, 256) for arm in ("sgd", "comm_opt", "mem_opt", "hybrid_opt")
+    ]
+    assert all(e["minutes"] > 0 for e in entries)
+    table = result.stdout[result.stdout.index("time to solution") :]
+    at_64 = next(line for line in table.splitlines() if line.split()[:1] == ["64"])
+    assert "50/500" in at_64 and f"{entries[4]['minutes']:.1f}" in at_64
