@@ -28,7 +28,7 @@ from tests.harness.util import REPO
 ALLREDUCE = FactorReduction.ALLREDUCE
 PAPER = REPO / "profiles" / "paper_v100_resnet50.yaml"
 #: SC20 Table III (64 V100): minutes to the end of training.
-TABLE_III = {"sgd": 178.0, "kfac_interval_500": 128.0}
+TABLE_III = {"sgd": 178.0, "kfac_interval_100": 152.0, "kfac_interval_500": 128.0}
 
 
 def test_ring_allreduce_and_tree_broadcast_by_hand() -> None:
@@ -120,6 +120,18 @@ def test_the_paper_profile_gives_table_iii_at_64_gpus(resnet50: tuple) -> None:
     # K-FAC's network stages are the model's, not the profile's measured ones (shown beside them).
     assert kfac["stages_s"]["factor_comm"] == pytest.approx(ref["modelled_comm_s"]["factor_comm"])
     assert ref["profiled_comm_s"]["factor_comm"] == 0.095
+
+
+def test_the_recipe_as_it_trains_gives_table_iii_interval_100() -> None:
+    """Without the scaling rule the recipe decomposes every 100 steps (factors every 10) at any N: Table
+    III's interval-100 column, a second point of the same model with no constant changed."""
+    args = ["+recipe=resnet50_imagenet"]
+    planned = load_recipe(args)
+    assert planned.length is not None
+    entries, _ = _paper((planned, load_baseline(args, planned.length)), [64])
+    kfac = next(e for e in entries if e["arm"] == "comm_opt")
+    assert kfac["intervals"] == [10, 100]
+    assert kfac["minutes"] == pytest.approx(TABLE_III["kfac_interval_100"], rel=0.10)
 
 
 def test_projection_across_world_sizes(resnet50: tuple) -> None:
