@@ -40,7 +40,8 @@ def tuned_arm(summary: dict[str, Any]) -> str:
     if not first_order(summary):
         return KFAC_ARM
     optimizer = (summary.get("config") or {}).get("optimizer") or {}
-    return str(optimizer.get("name", "?")).lower()
+    name = optimizer.get("name", "?")
+    return str(getattr(name, "value", name)).lower()  # a config not yet written out holds the enum
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -54,6 +55,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _show(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
     return "unset" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 

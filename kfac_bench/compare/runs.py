@@ -107,7 +107,7 @@ def run_dirs(
             found = {root}
         else:
             found = {p.parent for name in (SUMMARY_FILE, EVAL_FILE) for p in root.rglob(name)}
-            idle = {p.parent for p in root.rglob(CONFIG_FILE)} | {
+            idle = {p.parent for p in root.rglob(CONFIG_FILE) if p.parent.name != ".hydra"} | {
                 p.parent.parent for p in root.rglob(".hydra/config.yaml")
             }
             for path in sorted(idle - found, key=_natural):
@@ -407,6 +407,12 @@ def read_run(run_dir: Path, on_warning: Callable[[str], None] = warn) -> RunReco
         config = _read_config(run_dir)
         if not evals and not config:
             on_warning(f"{run_dir}: no readable {SUMMARY_FILE}, {EVAL_FILE} or config; left out")
+            return None
+        if not config:
+            on_warning(
+                f"{run_dir}: no readable {SUMMARY_FILE} or {CONFIG_FILE} (missing, cut off or nested "
+                f"deeper than {MAX_DEPTH} levels): its target is unknown; left out"
+            )
             return None
         state = "missing" if not (run_dir / SUMMARY_FILE).is_file() else "empty or cut off"
         notes.append(

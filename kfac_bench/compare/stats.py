@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -93,9 +93,14 @@ class Interval:
         return 0
 
 
-@lru_cache(maxsize=4096)
 def _t(df: float) -> float:
-    """The two-sided :data:`CONFIDENCE` quantile of Student's t with ``df`` degrees of freedom."""
+    """The two-sided :data:`CONFIDENCE` quantile of Student's t with ``df`` degrees of freedom (a
+    fractional ``df``, Welch's, rounded down to 0.01: a slightly wider interval, never a narrower one)."""
+    return _t_cached(math.floor(df * 100) / 100)
+
+
+@lru_cache(maxsize=4096)
+def _t_cached(df: float) -> float:
     from scipy.stats import t
 
     return float(t.ppf(0.5 + CONFIDENCE / 2, df))
@@ -139,10 +144,16 @@ def _paired(arm: list[Obs], base: list[Obs], skipped: str) -> Interval:
     )
     if interval.claim or mean == 0 or (hi_open if mean < 0 else lo_open):
         return interval
-    needed = next(
-        (m for m in range(n + 1, _MAX_SEEDS) if _t(m - 1) * sd / math.sqrt(m) < abs(mean)), None
+    return _with_needed(
+        interval, _needed(n, lambda m: _t(m - 1) * sd / math.sqrt(m), sd, abs(mean))
     )
-    return _with_needed(interval, needed)
+
+
+def _needed(n: int, half: Callable[[int], float], sd: float, effect: float) -> int | None:
+    """The fewest seeds m > n with ``half(m) < effect``. Since t > z, m is at least (1.96 sd / effect)^2:
+    the search starts there and walks up (a few steps: t comes close to z quickly)."""
+    start = max(n + 1, math.ceil((1.959963984540054 * sd / effect) ** 2) if effect else _MAX_SEEDS)
+    return next((m for m in range(start, _MAX_SEEDS) if half(m) < effect), None)
 
 
 def _with_needed(interval: Interval, needed: int | None) -> Interval:
@@ -189,7 +200,7 @@ def _welch(arm: list[Obs], base: list[Obs], skipped: str) -> Interval:
         d = v**2 / ((vx / m) ** 2 / (m - 1) + (vy / m) ** 2 / (m - 1))
         return _t(d) * math.sqrt(v)
 
-    needed = next((m for m in range(max(nx, ny) + 1, _MAX_SEEDS) if half(m) < abs(mean)), None)
+    needed = _needed(max(nx, ny), half, math.sqrt(vx + vy), abs(mean))
     return _with_needed(interval, needed)
 
 
