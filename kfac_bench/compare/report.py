@@ -2,13 +2,17 @@
 
 Reads each run's ``summary.json`` and ``eval.jsonl`` (:mod:`kfac_bench.compare.runs`: a folder that is not
 a run, such as a Hydra multirun folder, contributes every run below it; cut-off files give a warning and
-the readable part). Runs must share their target (metric and value): time-to-target of different
-targets is not comparable, so a mix is refused; finding one arm only gives a warning. Runs are grouped by
-arm and setting, several seeds into median and spread (:mod:`kfac_bench.compare.arms`); the baseline is the
-first first-order arm unless chosen. Writes ``compare.md`` (the arms side by side and the verdict),
-``compare.csv`` (one row per arm: medians, with ``_min``/``_max`` over seeds) and ``compare.png`` (the
-target metric against wall-clock time and against epochs, one colour per arm, one line style per seed, the
-time to target starred, the target drawn; :mod:`kfac_bench.compare.plot`).
+the readable part), keeps one campaign's runs without benchmark-mode runs and repeated seeds
+(:mod:`kfac_bench.compare.selection`). Runs must share their target (metric and value): time-to-target of
+different targets is not comparable, so a mix is refused; finding one arm only gives a warning. Runs are
+grouped by arm and setting, several seeds into median and spread (:mod:`kfac_bench.compare.arms`); the
+baseline is the first first-order arm unless chosen. Each arm's time and epochs to target are ratios over
+the baseline's with 95 % intervals (:mod:`kfac_bench.compare.stats`, read by
+:mod:`kfac_bench.compare.verdict`); fairness flags come from :mod:`kfac_bench.compare.fairness`. Writes
+``compare.md`` (the arms side by side and the verdict), ``compare.csv`` (one row per arm: medians, with
+``_min``/``_max`` over seeds, and the ratios with ``_ci_low``/``_ci_high``) and ``compare.png`` (the target
+metric against wall-clock time and against epochs, one colour per arm, one line style per seed, the time to
+target starred, the target drawn; :mod:`kfac_bench.compare.plot`).
 """
 
 from __future__ import annotations
@@ -121,7 +125,10 @@ _TITLES = {
     "time_ratio": ("time to target / baseline's [95 % CI]", 2),
     "epochs_ratio": ("epochs to target / baseline's [95 % CI]", 2),
     "ci_method": ("95 % CI", None),
-    "mlperf_time_s": ("MLPerf score: mean time to target without fastest, slowest (s)", 2),
+    "mlperf_time_s": (
+        "MLPerf score, 5+ seeds: mean time to target without fastest, slowest (s)",
+        2,
+    ),
     "mean_step_time_ms": ("mean step time (ms)", 1),
     "step_time_ratio": ("step time / baseline's", 2),
     "step_time_extra_pct": ("step time beyond the baseline's, % of the arm's step", 1),
