@@ -64,7 +64,8 @@ RATIO_NOTE = (
     "seed where both ran the seed, with its 95 % confidence interval [low-high] (method in the 95 % CI row; "
     "a run that missed the target is censored at its training time and leaves the interval open on the "
     "side it could move: inf or 0); the verdict says faster only when the whole interval is below 1, "
-    "slower only when it is above 1. Step time beyond the baseline's and the K-FAC stages are both % of "
+    "slower only when it is above 1. MLPerf score: the mean time to target without the fastest and the "
+    "slowest run. Step time beyond the baseline's and the K-FAC stages are both % of "
     "the arm's mean step time (forward, backward, K-FAC and update; evaluations outside): where they "
     "differ, the rest of the arm's step took more or less time than the baseline's step"
 )
@@ -125,10 +126,7 @@ _TITLES = {
     "time_ratio": ("time to target / baseline's [95 % CI]", 2),
     "epochs_ratio": ("epochs to target / baseline's [95 % CI]", 2),
     "ci_method": ("95 % CI", None),
-    "mlperf_time_s": (
-        "MLPerf score, 5+ seeds: mean time to target without fastest, slowest (s)",
-        2,
-    ),
+    "mlperf_time_s": ("MLPerf score (5+ seeds; s)", 2),
     "mean_step_time_ms": ("mean step time (ms)", 1),
     "step_time_ratio": ("step time / baseline's", 2),
     "step_time_extra_pct": ("step time beyond the baseline's, % of the arm's step", 1),
