@@ -304,6 +304,12 @@ def _run_hydra(args: list[str], run_dir_from_rank_0: bool = False) -> int:
             for src in hc.runtime.config_sources
             if src.provider == "command-line" and src.schema == "file"
         ]
+        from hydra.types import RunMode
+
+        from kfac_bench.metrics.summary import CAMPAIGN_ENV
+
+        if hc.mode == RunMode.MULTIRUN:  # the sweep folder is the jobs' campaign (summary.json)
+            os.environ[CAMPAIGN_ENV] = str(hc.sweep.dir)
         try:
             statuses.append(
                 _job(cfg, run_dir, [*user_dirs, *hc.overrides.task], run_dir_from_rank_0)
@@ -323,6 +329,8 @@ def _run_hydra(args: list[str], run_dir_from_rank_0: bool = False) -> int:
                     flush=True,
                 )
             statuses.append(UserError.exit_code)
+        finally:
+            os.environ.pop(CAMPAIGN_ENV, None)
 
     saved = sys.argv
     sys.argv = ["kfac-bench-train", *args]

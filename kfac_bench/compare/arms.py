@@ -47,6 +47,8 @@ SAME_RUN: tuple[str, ...] = (
     "launcher.max_restarts",
     "launcher.monitor_interval",
     "dataset.root",
+    "train.campaign",
+    "tuning.*",
 )
 
 
@@ -59,9 +61,11 @@ def _name_set(run: RunRecord) -> str | None:
 
     try:
         overrides = yaml.safe_load(path.read_text()) or []
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):
         return None
-    names = [str(o).split("=", 1)[1] for o in overrides if str(o).startswith("name=")]
+    if not isinstance(overrides, list):
+        return None
+    names = [o.split("=", 1)[1] for o in overrides if isinstance(o, str) and o.startswith("name=")]
     return names[-1] if names else None
 
 
@@ -93,8 +97,10 @@ def _seed(run: RunRecord) -> int | None:
 
 
 def group_runs(runs: Sequence[RunRecord]) -> list[Group]:
-    """Group runs by arm and setting (order of first appearance) and label groups and runs."""
+    """Group runs by arm and setting (order of first appearance) and label groups and runs. Runs compared
+    by campaign (``RunRecord.campaign`` set) are arms of their campaign, labelled ``ARM @ CAMPAIGN``."""
     arms = [_name_set(r) or arm_label(r.summary) for r in runs]
+    arms = [arm if r.campaign is None else f"{arm} @ {r.campaign}" for arm, r in zip(arms, runs)]
     settings = [_setting(r.summary) for r in runs]
     keys: list[tuple[str, str]] = []
     members: dict[tuple[str, str], list[int]] = {}
@@ -224,4 +230,27 @@ def run_measures(run: RunRecord) -> dict[str, Any]:
         "min_metric_after_target": _after_target(run),
         "best_metric": s.get("best_metric"),
         "samples_per_s": s.get("samples_per_s"),
+        "wall_time_s": _total(run, "wall_time_s", "wall_time_s"),
+        "epochs": _total(run, "epochs", "epoch"),
+        "kfac_step_share": _kfac_step_share(s),
     }
+
+
+def _total(run: RunRecord, key: str, record_key: str) -> float | None:
+    """The run's total ``key`` (its summary's, else its last evaluation's): what a run that missed the
+    target is censored at."""
+    value = run.summary.get(key)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    last = run.evals[-1].get(record_key) if run.evals else None
+    return float(last) if isinstance(last, (int, float)) else None
+
+
+def _kfac_step_share(s: dict[str, Any]) -> float | None:
+    """The K-FAC stages' seconds per step over the run's mean step time: the stages' share of the arm's
+    own step time, the denominator the step-time ratio's overhead uses too (None without stage times)."""
+    stages, steps, step = s.get("kfac_stage_times_s"), s.get("steps"), s.get("mean_step_time_s")
+    if not isinstance(stages, dict) or not stages or not steps or not step:
+        return None
+    total = sum(float(v) for v in stages.values() if isinstance(v, (int, float)))
+    return total / float(steps) / float(step)

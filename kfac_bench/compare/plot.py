@@ -5,6 +5,7 @@ model, data, global batch and devices. Drawn from :class:`kfac_bench.compare.rep
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,7 +15,7 @@ from kfac_bench.compare.runs import RunRecord
 if TYPE_CHECKING:
     from kfac_bench.compare.report import Comparison
 
-__all__ = ["plot_comparison"]
+__all__ = ["comparison_figure", "legend_layout", "plot_comparison"]
 
 
 #: Line styles telling the seeds of an arm apart (the colour tells the arm).
@@ -63,7 +64,30 @@ def _y_range(curves: list[list[float]], target: float | None, higher: bool) -> t
     return low - pad, high + pad
 
 
+#: The legend's room: label characters per line, and characters across the figure's width.
+_LABEL_WIDTH = 40
+_LEGEND_WIDTH = 150
+
+
+def legend_layout(labels: list[str]) -> tuple[list[str], int]:
+    """Labels wrapped at :data:`_LABEL_WIDTH` characters, and as many legend columns as fit the figure's
+    width (so a long arm label never runs off it)."""
+    wrapped = ["\n".join(textwrap.wrap(label, _LABEL_WIDTH)) or label for label in labels]
+    widest = max((len(line) for w in wrapped for line in w.splitlines()), default=1)
+    return wrapped, max(1, min(len(labels), 4, _LEGEND_WIDTH // (widest + 8)))
+
+
 def plot_comparison(cmp: Comparison, path: Path) -> Path:
+    """Save :func:`comparison_figure` as a PNG at ``path`` (cropped to what is drawn, legend included)."""
+    import matplotlib.pyplot as plt
+
+    fig = comparison_figure(cmp)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def comparison_figure(cmp: Comparison) -> Any:
     """The target metric against wall-clock seconds (left) and epochs (right): one colour per arm, one line
     style per seed, a star where a run first met its target, the target as a dashed line; the title names
     model, data and batch; the legend sits under the plots."""
@@ -126,8 +150,10 @@ def plot_comparison(cmp: Comparison, path: Path) -> Path:
                 label="first met the target",
             )
         )
-    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 4), fontsize=9)
-    fig.suptitle(f"{metric} to target: {_setting_title(cmp)}", fontsize=11)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    labels, ncol = legend_layout([str(h.get_label()) for h in handles])
+    for handle, label in zip(handles, labels):
+        handle.set_label(label)
+    fig.legend(handles=handles, loc="outside lower center", ncol=ncol, fontsize=9)
+    title = "\n".join(textwrap.wrap(f"{metric} to target: {_setting_title(cmp)}", 110))
+    fig.suptitle(title, fontsize=11)
+    return fig

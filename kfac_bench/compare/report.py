@@ -2,27 +2,44 @@
 
 Reads each run's ``summary.json`` and ``eval.jsonl`` (:mod:`kfac_bench.compare.runs`: a folder that is not
 a run, such as a Hydra multirun folder, contributes every run below it; cut-off files give a warning and
-the readable part). Runs must share their target (metric and value): time-to-target of different
-targets is not comparable, so a mix is refused; finding one arm only gives a warning. Runs are grouped by
-arm and setting, several seeds into median and spread (:mod:`kfac_bench.compare.arms`); the baseline is the
-first first-order arm unless chosen. Writes ``compare.md`` (the arms side by side and the verdict),
-``compare.csv`` (one row per arm: medians, with ``_min``/``_max`` over seeds) and ``compare.png`` (the
-target metric against wall-clock time and against epochs, one colour per arm, one line style per seed, the
-time to target starred, the target drawn; :mod:`kfac_bench.compare.plot`).
+the readable part), keeps one campaign's runs without benchmark-mode runs and repeated seeds
+(:mod:`kfac_bench.compare.selection`). Runs must share their target (metric and value): time-to-target of
+different targets is not comparable, so a mix is refused; finding one arm only gives a warning. Runs are
+grouped by arm and setting, several seeds into median and spread (:mod:`kfac_bench.compare.arms`); the
+baseline is the first first-order arm unless chosen. Each arm's time and epochs to target are ratios over
+the baseline's with 95 % intervals (:mod:`kfac_bench.compare.stats`, read by
+:mod:`kfac_bench.compare.verdict`); fairness flags come from :mod:`kfac_bench.compare.fairness`. Writes
+``compare.md`` (the arms side by side and the verdict), ``compare.csv`` (one row per arm: medians, with
+``_min``/``_max`` over seeds, and the ratios with ``_ci_low``/``_ci_high``) and ``compare.png`` (the target
+metric against wall-clock time and against epochs, one colour per arm, one line style per seed, the time to
+target starred, the target drawn; :mod:`kfac_bench.compare.plot`).
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import os
+import secrets
 import textwrap
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kfac_bench.compare.arms import Group, Spread, choose_baseline, group_runs
-from kfac_bench.compare.runs import RunRecord, read_run, run_dirs, warn
-from kfac_bench.compare.verdict import TIE, Stats, group_stats, step_ratio, time_ratio, verdict
+from kfac_bench.compare.fairness import fairness_flags
+from kfac_bench.compare.runs import RunRecord, is_run, read_run, run_dirs, warn
+from kfac_bench.compare.selection import select_runs
+from kfac_bench.compare.stats import Interval
+from kfac_bench.compare.verdict import (
+    Stats,
+    group_stats,
+    interval_text,
+    ratio_intervals,
+    step_ratio,
+    verdict,
+)
 from kfac_bench.errors import UserError
 
 __all__ = [
@@ -31,6 +48,8 @@ __all__ = [
     "Comparison",
     "RunRecord",
     "check_same_target",
+    "csv_safe",
+    "default_out",
     "find_runs",
     "output_dir",
     "plot",
@@ -39,11 +58,16 @@ __all__ = [
     "write_outputs",
 ]
 
-#: How the table's time ratio is defined, printed under it (the verdict's clock reads the same ratios).
+#: How the table's ratios and shares are defined, printed under it (the verdict reads the same intervals).
 RATIO_NOTE = (
-    "time to target / baseline's: the arm's time over the baseline's, seed by seed where both reached the "
-    f"target (< 1: faster); the verdict calls the clock a tie unless every such seed is beyond {TIE:g}x "
-    "either way"
+    "time (epochs) to target / baseline's: the geometric mean of the arm's over the baseline's, seed by "
+    "seed where both ran the seed, with its 95 % confidence interval [low-high] (method in the 95 % CI row; "
+    "a run that missed the target is censored at its training time and leaves the interval open on the "
+    "side it could move: inf or 0); the verdict says faster only when the whole interval is below 1, "
+    "slower only when it is above 1. MLPerf score: the mean time to target without the fastest and the "
+    "slowest run. Step time beyond the baseline's and the K-FAC stages are both % of "
+    "the arm's mean step time (forward, backward, K-FAC and update; evaluations outside): where they "
+    "differ, the rest of the arm's step took more or less time than the baseline's step"
 )
 
 #: One row per arm (CSV) or one line per measure with the arms side by side (terminal, Markdown).
@@ -56,28 +80,40 @@ COLUMNS = [
     "time_to_target_s",
     "epochs_to_target",
     "time_ratio",
+    "epochs_ratio",
+    "ci_method",
+    "mlperf_time_s",
     "mean_step_time_ms",
     "step_time_ratio",
+    "step_time_extra_pct",
     "kfac_overhead_pct",
     "final_metric",
     "min_metric_after_target",
     "best_metric",
     "samples_per_s",
+    "fairness",
 ]
 #: Columns given as median [min-max] over an arm's runs (the CSV adds ``_min`` and ``_max``).
 SPREAD_COLUMNS = (
     "time_to_target_s",
     "epochs_to_target",
-    "time_ratio",
     "mean_step_time_ms",
     "step_time_ratio",
     "final_metric",
     "min_metric_after_target",
 )
+#: Ratios given with their 95 % interval (the CSV adds ``_ci_low`` and ``_ci_high``).
+INTERVAL_COLUMNS = ("time_ratio", "epochs_ratio")
 CSV_COLUMNS = [
     c
     for col in COLUMNS
-    for c in ([col, f"{col}_min", f"{col}_max"] if col in SPREAD_COLUMNS else [col])
+    for c in (
+        [col, f"{col}_min", f"{col}_max"]
+        if col in SPREAD_COLUMNS
+        else [col, f"{col}_ci_low", f"{col}_ci_high"]
+        if col in INTERVAL_COLUMNS
+        else [col]
+    )
 ]
 #: Row titles of the side-by-side table (``{m}``: the target metric) and digits after the point.
 _TITLES = {
@@ -87,28 +123,40 @@ _TITLES = {
     "reached": ("seeds reaching the target", None),
     "time_to_target_s": ("time to target (s)", 2),
     "epochs_to_target": ("epochs to target", 2),
-    "time_ratio": ("time to target / baseline's", 2),
+    "time_ratio": ("time to target / baseline's [95 % CI]", 2),
+    "epochs_ratio": ("epochs to target / baseline's [95 % CI]", 2),
+    "ci_method": ("95 % CI", None),
+    "mlperf_time_s": ("MLPerf score (5+ seeds; s)", 2),
     "mean_step_time_ms": ("mean step time (ms)", 1),
-    "step_time_ratio": ("step time / baseline's (K-FAC overhead)", 2),
-    "kfac_overhead_pct": ("K-FAC stages, % of training time", 1),
+    "step_time_ratio": ("step time / baseline's", 2),
+    "step_time_extra_pct": ("step time beyond the baseline's, % of the arm's step", 1),
+    "kfac_overhead_pct": ("K-FAC stages, % of the arm's step", 1),
     "final_metric": ("final {m}", 4),
     "min_metric_after_target": ("min {m} after reaching the target", 4),
     "best_metric": ("best {m}", 4),
     "samples_per_s": ("samples/s", 0),
+    "fairness": ("fairness", None),
 }
 
 
 def find_runs(
-    paths: Sequence[str | Path], on_warning: Callable[[str], None] = warn
+    paths: Sequence[str | Path],
+    on_warning: Callable[[str], None] = warn,
+    by_campaign: bool = False,
 ) -> list[RunRecord]:
-    """The runs under ``paths`` (given order; runs in a folder in natural order), labelled by arm.
+    """The runs under ``paths`` (given order; runs in a folder in natural order), labelled by arm: one
+    campaign (or each campaign its own arms with ``by_campaign``), without benchmark-mode runs and
+    repeated seeds (:mod:`kfac_bench.compare.selection`); every run directory left out is named in one
+    line to ``on_warning``.
 
     Raises:
-        UserError: a path does not exist or holds no readable run.
+        UserError: a path does not exist or holds no readable run, or the runs are of several campaigns
+            or targets.
     """
-    runs = [r for d in run_dirs(paths) if (r := read_run(d, on_warning)) is not None]
-    if not runs:
+    found = [r for d in run_dirs(paths, on_warning) if (r := read_run(d, on_warning)) is not None]
+    if not found:
         raise UserError("no readable run in " + ", ".join(f"'{p}'" for p in paths))
+    runs = select_runs(found, by_campaign, on_warning)
     check_same_target(runs)
     groups = group_runs(runs)
     if len(groups) == 1:
@@ -170,33 +218,43 @@ class Comparison:
         self.metric = str(base.get("target_metric") or "metric")
         self.target = base.get("target_value")
         self.higher = base.get("higher_is_better", True) is not False
+        self.flags: list[list[str]] = [
+            fairness_flags([r.summary for r in g.runs], "baseline" if i == 0 else g.label)
+            for i, g in enumerate(self.groups)
+        ]
+        self.intervals: list[dict[str, Interval] | None] = [None] + [
+            ratio_intervals(s, self.stats[0]) for s in self.stats[1:]
+        ]
 
     @property
     def baseline(self) -> Group:
         return self.groups[0]
 
     def verdicts(self) -> list[str]:
-        """One line per arm against the baseline (none without a target)."""
+        """One line per arm against the baseline (none without a target), ending with the fairness flags
+        of the arm and the baseline."""
         if self.target is None:
             return []
         base = self.stats[0]
         return [
-            verdict(s, base, self.metric, float(self.target), self.higher) for s in self.stats[1:]
+            verdict(s, base, self.metric, float(self.target), self.higher, [*self.flags[0], *flags])
+            for s, flags in zip(self.stats[1:], self.flags[1:])
         ]
 
     def rows(self) -> list[dict[str, Any]]:
-        return [self._row(g, s) for g, s in zip(self.groups, self.stats)]
+        return [self._row(i, g, s) for i, (g, s) in enumerate(zip(self.groups, self.stats))]
 
-    def _row(self, group: Group, s: Stats) -> dict[str, Any]:
+    def _row(self, i: int, group: Group, s: Stats) -> dict[str, Any]:
         ttt = s.spread("time_to_target_s")
         step = s.spread("mean_step_time_s")
         kfac = group.runs[0].summary.get("config", {}).get("kfac") or {}
         statuses = [str(m["status"]) for m in s.measures]
-        share = s.spread("kfac_time_fraction").median
+        share = s.spread("kfac_step_share").median
+        ratio = step_ratio(s, self.stats[0]).median
+        intervals = self.intervals[i]
         spreads: dict[str, Spread] = {
             "time_to_target_s": ttt,
             "epochs_to_target": s.spread("epochs_to_target"),
-            "time_ratio": time_ratio(s, self.stats[0]),
             "mean_step_time_ms": _scaled(step, 1000.0),
             "step_time_ratio": step_ratio(s, self.stats[0]),
             "final_metric": s.spread("final_metric"),
@@ -211,12 +269,26 @@ class Comparison:
             "seeds": " ".join("-" if m["seed"] is None else str(m["seed"]) for m in s.measures),
             "reached": f"{s.reached}/{s.n}",
             "kfac_overhead_pct": 100.0 * share if share is not None else None,
+            "step_time_extra_pct": 100.0 * (1 - 1 / ratio) if ratio else None,
             "best_metric": s.spread("best_metric").median,
             "samples_per_s": s.spread("samples_per_s").median,
+            "mlperf_time_s": s.mlperf(),
+            "fairness": "; ".join(self.flags[i]) or "ok",
             "_spreads": spreads,
+            "_intervals": intervals,
         }
         for key, sp in spreads.items():
             row[key], row[f"{key}_min"], row[f"{key}_max"] = sp.median, sp.low, sp.high
+        if intervals is None:  # the baseline
+            row.update(time_ratio=1.0, epochs_ratio=1.0, ci_method="baseline")
+            for key in INTERVAL_COLUMNS:
+                row[f"{key}_ci_low"] = row[f"{key}_ci_high"] = None
+        else:
+            for key, name in (("time_ratio", "time"), ("epochs_ratio", "epochs")):
+                iv = intervals[name]
+                row[key], row[f"{key}_ci_low"], row[f"{key}_ci_high"] = iv.ratio, iv.low, iv.high
+            methods = dict.fromkeys(iv.method for iv in intervals.values())
+            row["ci_method"] = "; ".join(methods)
         return row
 
 
@@ -243,6 +315,11 @@ def _number(value: float | None, digits: int, key: str = "") -> str:
 
 def _cell(key: str, row: dict[str, Any]) -> str:
     digits = _TITLES[key][1]
+    if key in INTERVAL_COLUMNS:
+        intervals = row["_intervals"]
+        if intervals is None:
+            return "1 (baseline)"
+        return interval_text(intervals["time" if key == "time_ratio" else "epochs"])
     sp: Spread | None = row["_spreads"].get(key)
     if sp is None:
         value = row[key]
@@ -256,12 +333,8 @@ def _cell(key: str, row: dict[str, Any]) -> str:
     if sp.median is None:
         if to_target:
             return "not reached" if sp.k == 0 else f"not reached in {sp.n - sp.k}/{sp.n}"
-        return "no seed both reached" if key == "time_ratio" else "-"
+        return "-"
     text = _number(sp.median, digits, key)
-    if key == "time_ratio":
-        low, high = _number(sp.low, digits), _number(sp.high, digits)
-        text += f" [{low}-{high}]" if low != high else ""
-        return text + (f" ({sp.k}/{sp.n} seeds)" if sp.k < sp.n else "")
     if sp.n > 1 and sp.k > 0:
         high = "miss" if sp.high is None else _number(sp.high, digits, key)
         low = _number(sp.low, digits, key)
@@ -284,7 +357,7 @@ def _render(cmp: Comparison, fmt: str) -> str:
             out, fieldnames=CSV_COLUMNS, lineterminator="\n", extrasaction="ignore"
         )
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({k: csv_safe(v) for k, v in row.items()} for row in rows)
         return out.getvalue()
     title = f"target: {cmp.metric} {cmp.target} (baseline: {cmp.baseline.label})"
     several = any(len(g.runs) > 1 for g in cmp.groups)
@@ -306,12 +379,41 @@ def _render(cmp: Comparison, fmt: str) -> str:
     return "\n".join(text) + "\n"
 
 
+#: First characters that make a spreadsheet read a cell as a formula (CSV injection).
+_FORMULA = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_safe(value: Any) -> Any:
+    """A text cell that a spreadsheet would read as a formula, quoted with a leading ``'``; numbers and
+    other text as they are."""
+    if isinstance(value, str) and value.startswith(_FORMULA):
+        return "'" + value
+    return value
+
+
 def plot(runs: Sequence[RunRecord], path: Path, baseline: str | None = None) -> Path:
     """PNG: the target metric against wall-clock seconds (left) and epochs (right); see
     :func:`kfac_bench.compare.plot.plot_comparison`."""
     from kfac_bench.compare.plot import plot_comparison
 
     return plot_comparison(Comparison(runs, baseline), path)
+
+
+def default_out(paths: Sequence[str | Path], kind: str = "compare") -> Path:
+    """Where a comparison of ``paths`` goes when ``--out`` is not given: a new ``KIND_<time>_<uid>``
+    folder inside the compared folder (the folder given, or the folder holding the run directories
+    given; their common folder when several), so a second comparison never overwrites the first. When
+    that folder is the current directory or above it, ``runs/`` (which git ignores) takes its place."""
+    folders = [Path(p).resolve() for p in paths]
+    folders = [f.parent if is_run(f) else f for f in folders]
+    try:
+        common = Path(os.path.commonpath([str(f) for f in folders]))
+    except ValueError:  # different drives
+        common = Path.cwd()
+    cwd = Path.cwd().resolve()
+    if common == cwd or common in cwd.parents:
+        common = Path("runs")
+    return common / f"{kind}_{time.strftime('%Y-%m-%d_%H-%M-%S')}_{secrets.token_hex(3)}"
 
 
 def output_dir(out: Path | str) -> Path:

@@ -31,6 +31,7 @@ __all__ = [
     "NO_SUMMARY",
     "RunRecord",
     "bad_field",
+    "is_run",
     "read_run",
     "rebuilt_summary",
     "run_dirs",
@@ -53,6 +54,8 @@ class RunRecord:
         summary: ``summary.json``, or the summary rebuilt from the records and config when it is unusable.
         evals: the readable records of ``eval.jsonl``, in file order.
         notes: one line per file that could not be read whole.
+        campaign: the campaign it is compared under, set only when campaigns are compared as separate
+            arms (:mod:`kfac_bench.compare.selection`).
     """
 
     label: str
@@ -60,6 +63,7 @@ class RunRecord:
     summary: dict[str, Any]
     evals: list[dict[str, Any]]
     notes: list[str] = field(default_factory=list)
+    campaign: str | None = None
 
 
 def warn(line: str) -> None:
@@ -71,33 +75,83 @@ def _natural(path: Path) -> list[Any]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(path))]
 
 
-def _is_run(path: Path) -> bool:
+def is_run(path: Path) -> bool:
+    """Whether ``path`` is a run directory (it holds a summary or evaluation records)."""
     return (path / SUMMARY_FILE).is_file() or (path / EVAL_FILE).is_file()
 
 
-def run_dirs(paths: Sequence[str | Path]) -> list[Path]:
+def _started(path: Path) -> bool:
+    """A run directory that recorded its config (the run was claimed) but no summary or evaluation."""
+    return (path / CONFIG_FILE).is_file() or (path / ".hydra" / "config.yaml").is_file()
+
+
+def run_dirs(
+    paths: Sequence[str | Path], on_warning: Callable[[str], None] | None = None
+) -> list[Path]:
     """Run directories under ``paths`` in the given order; a folder that is not a run itself (a Hydra
     multirun folder) contributes every run below it, in natural order (job 2 before job 10). A directory
-    with ``eval.jsonl`` but no ``summary.json`` (a run that did not end) counts.
+    with ``eval.jsonl`` but no ``summary.json`` (a run that did not end) counts. A directory that recorded
+    its config but neither file (a job that stopped before its first evaluation) is named in one line to
+    ``on_warning`` and left out; so is a directory given twice.
 
     Raises:
         UserError: a path does not exist or holds no run.
     """
+    on_warning = on_warning or warn
     dirs: list[Path] = []
     for given in paths:
         root = Path(given)
         if not root.exists():
             raise UserError(f"run directory '{root}' does not exist")
-        if _is_run(root):
-            dirs.append(root)
-            continue
-        found = {p.parent for name in (SUMMARY_FILE, EVAL_FILE) for p in root.rglob(name)}
-        if not found:
-            raise UserError(
-                f"no run under '{root}': expected {SUMMARY_FILE} (written when a run ends) or {EVAL_FILE}"
-            )
-        dirs += sorted(found, key=_natural)
+        if is_run(root):
+            found = {root}
+        else:
+            found = {p.parent for name in (SUMMARY_FILE, EVAL_FILE) for p in root.rglob(name)}
+            idle = {p.parent for p in root.rglob(CONFIG_FILE) if p.parent.name != ".hydra"} | {
+                p.parent.parent for p in root.rglob(".hydra/config.yaml")
+            }
+            for path in sorted(idle - found, key=_natural):
+                on_warning(
+                    f"{path}: left out: no {SUMMARY_FILE} or {EVAL_FILE} (the run stopped before its "
+                    "first evaluation, or is still starting)"
+                )
+            if not found:
+                raise UserError(
+                    f"no run under '{root}': expected {SUMMARY_FILE} (written when a run ends) or "
+                    f"{EVAL_FILE}"
+                )
+        for path in sorted(found, key=_natural):
+            if any(_same(path, d) for d in dirs):
+                on_warning(f"{path}: left out: given twice")
+                continue
+            dirs.append(path)
     return dirs
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+#: The deepest nesting of a file compare reads (a summary is about 5 levels deep): deeper is not a file
+#: kfac-bench wrote, and parsing or walking it could exhaust the stack.
+MAX_DEPTH = 64
+
+
+def _too_deep(data: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether ``data`` (parsed JSON or YAML) nests deeper than ``limit`` (an iterative walk)."""
+    stack = [(data, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(node, dict):
+            stack += [(v, depth + 1) for v in node.values()]
+        elif isinstance(node, list):
+            stack += [(v, depth + 1) for v in node]
+    return False
 
 
 def _read_evals(path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -110,7 +164,10 @@ def _read_evals(path: Path) -> tuple[list[dict[str, Any]], int]:
             continue
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
+            bad += 1
+            continue
+        if _too_deep(record):
             bad += 1
             continue
         clean = _clean_record(record)
@@ -121,11 +178,20 @@ def _read_evals(path: Path) -> tuple[list[dict[str, Any]], int]:
     return records, bad
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+_DEEP = f"nested deeper than {MAX_DEPTH} levels"
+
+
+def _read_json(path: Path) -> dict[str, Any] | str | None:
+    """The JSON object in ``path``; None when missing, empty or cut off; a reason (text) when it is
+    readable JSON that is no summary (nested too deep for one)."""
     try:
         data = json.loads(path.read_text())
+    except RecursionError:
+        return _DEEP
     except (OSError, ValueError):
         return None
+    if _too_deep(data):
+        return _DEEP
     return data if isinstance(data, dict) else None
 
 
@@ -135,9 +201,9 @@ def _read_config(run_dir: Path) -> dict[str, Any]:
     for path in (run_dir / CONFIG_FILE, run_dir / ".hydra" / "config.yaml"):
         try:
             data = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError):
+        except (OSError, yaml.YAMLError, RecursionError):
             continue
-        if isinstance(data, dict):
+        if isinstance(data, dict) and not _too_deep(data):
             return data
     return {}
 
@@ -162,9 +228,38 @@ _SUMMARY_TYPES: dict[str, str] = {
     "samples_per_s": _NUMBER,
     "final_metrics": "a mapping",
     "config": "a mapping",
+    "wall_time_s": _NUMBER,
+    "train_time_s": _NUMBER,
+    "epochs": _NUMBER,
+    "steps": _NUMBER,
+    "kfac_stage_times_s": "a mapping",
+    "campaign": "a string",
+    "benchmark": "a mapping",
 }
+#: Fields that are counts or durations: a negative value, or one beyond any run (a billion seconds is
+#: 31 years), is not a measurement and leaves the run out.
+_NON_NEGATIVE = (
+    "time_to_target_s",
+    "epochs_to_target",
+    "mean_step_time_s",
+    "kfac_time_fraction",
+    "wall_time_s",
+    "train_time_s",
+    "epochs",
+    "steps",
+)
+_ABSURD = 1e9
 #: Config sections the comparison reads (``config.<section>``), each a mapping when present.
-_CONFIG_SECTIONS = ("optimizer", "kfac", "train", "task", "model", "dataset")
+_CONFIG_SECTIONS = (
+    "optimizer",
+    "kfac",
+    "train",
+    "task",
+    "model",
+    "dataset",
+    "lr_schedule",
+    "tuning",
+)
 _RECORD_NUMBERS = ("step", "epoch", "wall_time_s")
 
 
@@ -199,10 +294,17 @@ def bad_field(summary: dict[str, Any]) -> str | None:
             return f"'{key}' (must be {kind}, is {json.dumps(value)[:40]})"
         if kind == _NUMBER and isinstance(value, str):
             summary[key] = _number(value)
-    for key in ("targets", "final_metrics"):
+    for key in ("targets", "final_metrics", "kfac_stage_times_s"):
         for name, value in (summary.get(key) or {}).items():
             if not _fits(value, _NUMBER):
                 return f"'{key}.{name}' (must be a number, is {json.dumps(value)[:40]})"
+    for key in _NON_NEGATIVE:
+        value = summary.get(key)
+        if value is not None and (value < 0 or value > _ABSURD):
+            return f"'{key}' (must be between 0 and {_ABSURD:g}, is {json.dumps(value)[:40]})"
+    for name, value in (summary.get("kfac_stage_times_s") or {}).items():
+        if value is not None and not 0 <= value <= _ABSURD:
+            return f"'kfac_stage_times_s.{name}' (must be between 0 and {_ABSURD:g}, is {value})"
     config = summary.get("config") or {}
     for section in _CONFIG_SECTIONS:
         if not _fits(config.get(section), "a mapping"):
@@ -215,7 +317,8 @@ def _clean_record(record: Any) -> dict[str, Any] | None:
     field compare reads has the wrong type."""
     if not isinstance(record, dict) or not isinstance(record.get("metrics"), dict):
         return None
-    if any(_number(record.get(k)) is None for k in _RECORD_NUMBERS):
+    numbers = [_number(record.get(k)) for k in _RECORD_NUMBERS]
+    if any(v is None or not 0 <= v <= _ABSURD for v in numbers):
         return None
     if not all(_fits(v, _NUMBER) for v in record["metrics"].values()):
         return None
@@ -288,6 +391,11 @@ def read_run(run_dir: Path, on_warning: Callable[[str], None] = warn) -> RunReco
             f"compared with its {len(evals)} readable record(s)"
         )
     summary = _read_json(run_dir / SUMMARY_FILE)
+    if isinstance(summary, str):
+        on_warning(
+            f"{run_dir / SUMMARY_FILE}: {summary}; left out (not a summary kfac-bench writes)"
+        )
+        return None
     wrong = bad_field(summary) if summary is not None else None
     if wrong is not None:
         on_warning(
@@ -299,6 +407,12 @@ def read_run(run_dir: Path, on_warning: Callable[[str], None] = warn) -> RunReco
         config = _read_config(run_dir)
         if not evals and not config:
             on_warning(f"{run_dir}: no readable {SUMMARY_FILE}, {EVAL_FILE} or config; left out")
+            return None
+        if not config:
+            on_warning(
+                f"{run_dir}: no readable {SUMMARY_FILE} or {CONFIG_FILE} (missing, cut off or nested "
+                f"deeper than {MAX_DEPTH} levels): its target is unknown; left out"
+            )
             return None
         state = "missing" if not (run_dir / SUMMARY_FILE).is_file() else "empty or cut off"
         notes.append(

@@ -1,31 +1,38 @@
 """Which arm won, and by how much, in one line computed from the runs (``kfac-bench compare``).
 
 Each arm is a :class:`~kfac_bench.compare.arms.Group` of runs (seeds). The line states, for an arm against
-the baseline: how many seeds reached the target and the median epochs and time they took; the epoch
-ratio; and the clock, judged by the time ratio (:func:`time_ratios`: the arm's time to target over the
-baseline's, seed by seed on the seeds where *both* reached the target; the table's "time to target /
-baseline's" row is the same ratios). A median time alone would let an arm "win" only because the other
-missed in some seeds; the line says so when that is the case. A ratio within :data:`TIE` of 1 in some seed
-makes the clock a tie. Arms that fall back
-below the target after reaching it are named.
+the baseline: how many seeds reached the target and the median epochs and time they took; then the time
+to target and the epochs to target as ratios over the baseline's, each with its 95 % confidence interval
+(:mod:`kfac_bench.compare.stats`: paired by seed, runs that missed the target censored, never dropped),
+and the claim the interval supports: faster only when the whole interval is below 1, slower only when it
+is above 1, otherwise no clear difference, with about how many seeds the observed spread would need. The
+method is named. Beside it, MLPerf's score where both arms have at least 5 runs; arms that fall back below
+the target after reaching it, and fairness flags (:mod:`kfac_bench.compare.fairness`), are named.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from kfac_bench.compare.arms import Group, Spread, run_measures, spread
+from kfac_bench.compare.stats import MLPERF_MIN_RUNS, Interval, Obs, mlperf_score, ratio_interval
 
-__all__ = ["TIE", "Stats", "group_stats", "step_ratio", "time_ratio", "time_ratios", "verdict"]
+__all__ = [
+    "Stats",
+    "claim_text",
+    "group_stats",
+    "interval_text",
+    "ratio_intervals",
+    "step_ratio",
+    "verdict",
+]
 
-#: One arm is faster on the clock only if it took less than 1/TIE of the other's time in every seed both
-#: reached the target; otherwise (some seed within 10 %, or seeds disagreeing) the clock is a tie.
-TIE = 1.10
-#: Epoch medians within 5 % count as "as many epochs".
-_SAME_EPOCHS = 1.05
 #: Measures where a run that missed the target counts as +inf in the median.
 _TO_TARGET = ("time_to_target_s", "epochs_to_target")
+#: Each to-target measure and the run's total it is censored at when the run missed.
+_CENSOR_AT = {"time_to_target_s": "wall_time_s", "epochs_to_target": "epochs"}
 
 
 @dataclass
@@ -47,6 +54,20 @@ class Stats:
     def n(self) -> int:
         return len(self.measures)
 
+    def observations(self, key: str) -> list[Obs]:
+        """One :class:`Obs` per run of a to-target measure: the value where the run reached the target,
+        else censored at the run's total (its training time or epochs); a run with neither is left out."""
+        out = []
+        for m in self.measures:
+            value = m[key] if m["reached"] else m[_CENSOR_AT[key]]
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                out.append(Obs(float(value), not m["reached"], m["seed"]))
+        return out
+
+    def mlperf(self) -> float | None:
+        """MLPerf's score of the time to target (:func:`kfac_bench.compare.stats.mlperf_score`)."""
+        return mlperf_score(self.observations("time_to_target_s"))
+
     def fell_back(self, target: float, higher: bool) -> int:
         """Runs whose target metric went back past the target after first reaching it."""
         after = [m["min_metric_after_target"] for m in self.measures]
@@ -55,6 +76,15 @@ class Stats:
 
 def group_stats(group: Group) -> Stats:
     return Stats(group.label, group.first_order, [run_measures(r) for r in group.runs])
+
+
+def ratio_intervals(arm: Stats, base: Stats) -> dict[str, Interval]:
+    """``time`` and ``epochs``: the arm's time (epochs) to target over the baseline's, with the 95 %
+    interval (:func:`kfac_bench.compare.stats.ratio_interval`)."""
+    return {
+        name: ratio_interval(arm.observations(key), base.observations(key))
+        for name, key in (("time", "time_to_target_s"), ("epochs", "epochs_to_target"))
+    }
 
 
 def step_ratio(arm: Stats, base: Stats) -> Spread:
@@ -74,33 +104,38 @@ def step_ratio(arm: Stats, base: Stats) -> Spread:
     return spread(ratios) if ratios else Spread(None, None, None, 0, arm.n)
 
 
-def time_ratios(arm: Stats, base: Stats) -> list[tuple[int | None, float]]:
-    """(seed, the arm's time to target / the baseline's) for every seed both reached the target."""
-    base_time = {m["seed"]: m["time_to_target_s"] for m in base.measures if m["time_to_target_s"]}
-    return [
-        (m["seed"], m["time_to_target_s"] / base_time[m["seed"]])
-        for m in arm.measures
-        if m["time_to_target_s"] and m["seed"] in base_time
-    ]
-
-
-def time_ratio(arm: Stats, base: Stats) -> Spread:
-    """Median and range of :func:`time_ratios` (< 1: the arm took less time than the baseline); ``k`` is
-    the number of seeds both reached, ``n`` the arm's runs."""
-    ratios = [r for _, r in time_ratios(arm, base)]
-    if not ratios:
-        return Spread(None, None, None, 0, arm.n)
-    s = spread(ratios)
-    return Spread(s.median, s.low, s.high, len(ratios), arm.n)
-
-
 def _secs(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}" if x >= 1 else f"{x:.2f}"
 
 
-def _range(lo: float, hi: float, digits: int) -> str:
-    a, b = f"{lo:.{digits}f}", f"{hi:.{digits}f}"
-    return a if a == b else f"{a}-{b}"
+def _end(x: float) -> str:
+    return "inf" if math.isinf(x) else "0" if x == 0 else f"{x:.2f}"
+
+
+def interval_text(iv: Interval) -> str:
+    """``0.53 [0.50-0.56]``: the ratio and its 95 % interval (``0``/``inf``: open on that side)."""
+    if iv.ratio is None or iv.low is None or iv.high is None:
+        return "-"
+    return f"{iv.ratio:.2f} [{_end(iv.low)}-{_end(iv.high)}]"
+
+
+def claim_text(iv: Interval, what: str, less: str, more: str) -> str:
+    """What the interval supports: ``less`` (all below 1), ``more`` (all above 1), or no clear difference
+    with the reason it stays open (too few seeds for the observed spread, or runs that missed)."""
+    if iv.claim < 0:
+        return less
+    if iv.claim > 0:
+        return more
+    text = f"no clear difference {what}"
+    if iv.ratio is None:
+        return text + " (no run to compare)"
+    if iv.seeds_needed is not None:
+        return text + f" (the observed spread would need about {iv.seeds_needed} seeds per arm)"
+    if iv.censored:
+        return text + f" (open while runs miss the target: {iv.censored} censored)"
+    if iv.low == 0.0 and math.isinf(iv.high or 0.0):
+        return text + " (too few seeds for an interval)"
+    return text
 
 
 def _reach(s: Stats, first: bool) -> str:
@@ -112,67 +147,51 @@ def _reach(s: Stats, first: bool) -> str:
     return text
 
 
-def _epochs(a: Stats, b: Stats, an: str, bn: str) -> str:
-    ea, eb = a.spread("epochs_to_target").median, b.spread("epochs_to_target").median
-    if ea is not None and eb is not None:
-        r = eb / ea
-        if r >= _SAME_EPOCHS:
-            return f"{r:.1f}x fewer epochs"
-        if r <= 1 / _SAME_EPOCHS:
-            return f"{1 / r:.1f}x more epochs"
-        return "as many epochs"
-    if ea is not None:
-        return _missed(bn, b)
-    if eb is not None:
-        return _missed(an, a)
-    return "neither reached the target in most seeds"
-
-
-def _clock(a: Stats, b: Stats, an: str, bn: str) -> tuple[str, int]:
-    """The clock on the seeds both reached, and who won it there (1: a, -1: b, 0: tie or no race)."""
-    pairs = time_ratios(a, b)
-    if not pairs:
-        return "no seed where both reached the target, so no race on the clock", 0
-    q = [r for _, r in pairs]
-    seeds = ", ".join(str(s) for s, _ in pairs)
-    where = f"seed{'s' if len(pairs) > 1 else ''} {seeds}"
-    if max(q) <= 1 / TIE:
-        return (
-            f"on the clock {an} was faster in every seed both reached "
-            f"({an} took {_range(min(q), max(q), 2)}x {bn}'s time, {where})",
-            1,
-        )
-    if min(q) >= TIE:
-        return (
-            f"on the clock {bn} was faster in every seed both reached "
-            f"({an} took {_range(min(q), max(q), 2)}x {bn}'s time, {where})",
-            -1,
-        )
-    took = _range(min(q), max(q), 2)
-    return f"on the clock a tie where both reached ({an} took {took}x {bn}'s time, {where})", 0
-
-
-def _missed(name: str, s: Stats) -> str:
-    return f"{name} missed the target in {s.n - s.reached}/{s.n} seeds"
-
-
-def verdict(a: Stats, b: Stats, metric: str, target: float, higher: bool = True) -> str:
-    """One line: arm ``a`` against the baseline ``b`` on reaching ``metric`` ``target``."""
+def verdict(
+    a: Stats,
+    b: Stats,
+    metric: str,
+    target: float,
+    higher: bool = True,
+    flags: list[str] | None = None,
+) -> str:
+    """One line: arm ``a`` against the baseline ``b`` on reaching ``metric`` ``target``; ``flags`` (the
+    fairness flags of both arms) end it."""
     an = "K-FAC" if b.first_order and not a.first_order and " + K-FAC" in a.label else a.label
     bn = b.label
     op = ">=" if higher else "<="
     head = f"{a.label} reached {metric} {op} {target:g} {_reach(a, True)}, {bn} {_reach(b, False)}"
-    clock, won = _clock(a, b, an, bn)
-    line = f"{head}: {_epochs(a, b, an, bn)}; {clock}"
-    ta, tb = a.spread("time_to_target_s").median, b.spread("time_to_target_s").median
-    if ta is not None and (tb is None or ta < tb) and won != 1 and b.reached < b.n:
-        line += f"; {an}'s median time is lower only because {_missed(bn, b)}"
-    if tb is not None and (ta is None or tb < ta) and won != -1 and a.reached < a.n:
-        line += f"; {bn}'s median time is lower only because {_missed(an, a)}"
+    ivs = ratio_intervals(a, b)
+    time, epochs = ivs["time"], ivs["epochs"]
+    clock = claim_text(
+        time, "on the clock", f"{an} faster on the clock", f"{an} slower on the clock"
+    )
+    count = claim_text(epochs, "in epochs", f"{an} needs fewer epochs", f"{an} needs more epochs")
+    line = (
+        f"{head}: time to target {interval_text(time)}x {bn}'s: {clock}; "
+        f"epochs to target {interval_text(epochs)}x: {count}"
+    )
+    methods = dict.fromkeys(iv.method for iv in (time, epochs))
+    line += f" (95 % CI: {'; '.join(methods)}"
+    censored = [f"{name}: {s.n - s.reached}" for name, s in ((an, a), (bn, b)) if s.reached < s.n]
+    if censored:
+        line += "; runs that missed the target censored at their training time, " + ", ".join(
+            censored
+        )
+    line += ")"
+    if min(a.n, b.n) >= MLPERF_MIN_RUNS:
+        sa, sb = (
+            _secs(x) + " s" if x is not None else "not reached" for x in (a.mlperf(), b.mlperf())
+        )
+        line += (
+            f"; MLPerf score (mean time to target without the fastest and slowest run) {sa} vs {sb}"
+        )
     for name, s in ((an, a), (bn, b)):
         fell = s.fell_back(target, higher)
         if fell:
             line += (
                 f"; {name} fell back below the target after reaching it in {fell}/{s.reached} seeds"
             )
+    if flags:
+        line += "; fairness: " + "; ".join(flags)
     return line

@@ -18,9 +18,11 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "CAMPAIGN_ENV",
     "STATUSES",
     "SUMMARY_FILE",
     "arm_label",
+    "campaign",
     "first_order",
     "git_commit",
     "peak_memory_bytes",
@@ -34,6 +36,18 @@ SUMMARY_FILE = "summary.json"
 #: success: target met (or none set and the run finished); target_not_reached: finished below target;
 #: diverged: a non-finite loss stopped it; preempted: stopped by a signal, resumable.
 STATUSES = ("success", "target_not_reached", "diverged", "preempted")
+#: The Hydra sweep folder of the ``--multirun`` job this process runs (set by ``kfac-bench train`` for
+#: each sweep job, inherited by the ranks it starts): the run's campaign when ``train.campaign`` is unset.
+CAMPAIGN_ENV = "KFAC_BENCH_SWEEP_DIR"
+
+
+def campaign(config: dict[str, Any]) -> str | None:
+    """The campaign a run belongs to (``compare`` never pools two): ``train.campaign``, else the sweep
+    folder of a ``--multirun`` job (:data:`CAMPAIGN_ENV`), else None."""
+    given = (config.get("train") or {}).get("campaign")
+    if given is not None:
+        return str(given)
+    return os.environ.get(CAMPAIGN_ENV) or None
 
 
 def git_commit(start: Path | None = None) -> str | None:
@@ -91,9 +105,9 @@ def run_summary(
     config: dict[str, Any],
     divergence: tuple[int, str] | None = None,
 ) -> dict[str, Any]:
-    """The ``summary.json`` of a run: status, time-to-target (wall and training seconds, epochs, steps),
-    best and final metrics, throughput, K-FAC stage seconds, memory and coverage (which layers it
-    preconditions, which it leaves out and why), peak memory, and the config.
+    """The ``summary.json`` of a run: status, campaign (:func:`campaign`), time-to-target (wall and
+    training seconds, epochs, steps), best and final metrics, throughput, K-FAC stage seconds, memory and
+    coverage (which layers it preconditions, which it leaves out and why), peak memory, and the config.
 
     Args:
         precond: the preconditioner, or None for a first-order run.
@@ -110,6 +124,7 @@ def run_summary(
     return {
         "name": name,
         "status": status,
+        "campaign": campaign(config),
         "divergence": {"step": divergence[0], "what": divergence[1]} if divergence else None,
         "target_metric": tracker.primary,
         "targets": tracker.targets,

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import statistics
 from pathlib import Path
 from typing import Any
 
 import pytest
+import scipy.stats
 import yaml
 
 from kfac_bench.compare.report import Comparison, find_runs, render, table_rows
@@ -64,7 +66,14 @@ def make_run(
         "kfac": {"enabled": kfac is not None, "grad_worker_fraction": kfac or "comm_opt"},
         "train": {"seed": seed, "targets": {"top1": TARGET}},
         "task": {"target_metric": "top1"},
+        # Each arm at the values tuned for it (compare's fairness checks read this record).
+        "tuning": {
+            "arm": "kfac" if kfac else optimizer,
+            "source": "a hand-made grid",
+            "values": {"optimizer": {"lr": lr}},
+        },
     }
+    steps = len(curve) * STEPS_PER_EPOCH
     write_summary(
         path,
         {
@@ -81,7 +90,12 @@ def make_run(
             "final_metrics": records[-1]["metrics"],
             "mean_step_time_s": step_s,
             "samples_per_s": 256 / step_s,
+            "steps": steps,
+            "epochs": float(len(curve)),
+            "wall_time_s": round(len(curve) * epoch_s, 6),
             "kfac_enabled": kfac is not None,
+            # K-FAC's stages take 40 % of each step.
+            "kfac_stage_times_s": {"factor": 0.4 * step_s * steps} if kfac else {},
             "kfac_time_fraction": 0.4 if kfac else None,
             "config": config,
         },
@@ -195,20 +209,22 @@ def test_seeds_of_one_arm_group_into_median_and_spread(tmp_path: Path) -> None:
     assert base["min_metric_after_target_min"] == 0.95 and other[
         "kfac_overhead_pct"
     ] == pytest.approx(40)
-    # The time ratio is taken seed by seed where both reached: seeds 0 and 1 (SGD missed seed 2).
-    ratios = [2.0 / 1.8, 2.0 / 1.9]
-    assert base["time_ratio"] == pytest.approx(1.0)
-    assert other["time_ratio"] == pytest.approx(statistics.median(ratios))
-    assert (other["time_ratio_min"], other["time_ratio_max"]) == pytest.approx(
-        (min(ratios), max(ratios))
-    )
+    # The time ratio pairs the seeds: 0, 1 and 2, where SGD missed and is censored at its training time
+    # (30 epochs of 0.1 s): the interval is open below (SGD might have taken any longer there).
+    d = [math.log(2.0 / 1.8), math.log(2.0 / 1.9), math.log(2.2 / 3.0)]
+    half = scipy.stats.t.ppf(0.975, 2) * statistics.stdev(d) / math.sqrt(3)
+    assert base["time_ratio"] == pytest.approx(1.0) and base["ci_method"] == "baseline"
+    assert other["time_ratio"] == pytest.approx(math.exp(statistics.fmean(d)))
+    assert other["time_ratio_ci_low"] == 0.0
+    assert other["time_ratio_ci_high"] == pytest.approx(math.exp(statistics.fmean(d) + half))
+    assert other["ci_method"] == "paired t interval on log ratios, 3 seeds"
     text = render(runs, "terminal")
     assert "median [min-max] over seeds" in text.splitlines()[0]
     ratio_line = next(x for x in text.splitlines() if x.startswith("time to target / baseline's"))
-    span = f"{min(ratios):.2f}-{max(ratios):.2f}"
-    assert ratio_line.endswith(f"{statistics.median(ratios):.2f} [{span}] (2/3 seeds)")
-    # The verdict's clock reads the same ratios (a tie: seed 1 is within 1.10x).
-    assert f"a tie where both reached (K-FAC took {span}x SGD's time, seeds 0, 1)" in text
+    shown = f"{math.exp(statistics.fmean(d)):.2f} [0-{math.exp(statistics.fmean(d) + half):.2f}]"
+    assert ratio_line.endswith(shown)
+    # The verdict reads the same interval: it holds 1.
+    assert f"time to target {shown}x SGD's: no clear difference on the clock" in text
     line = next(x for x in text.splitlines() if x.startswith("time to target (s)"))
     assert line.split("  ")[-1].strip() == "2.00 [2.00-2.20]" and "1.90 [1.80-miss]" in line
     parsed = list(csv.DictReader(io.StringIO(render(runs, "csv"))))
@@ -231,42 +247,80 @@ def _verdict(
     return line
 
 
-def test_verdict_kfac_faster_in_every_seed(tmp_path: Path) -> None:
+def _paired(arm: list[float], base: list[float]) -> str:
+    """The ratio and 95 % interval of paired values as the verdict prints them, from the t formula."""
+    d = [math.log(a / b) for a, b in zip(arm, base)]
+    half = scipy.stats.t.ppf(0.975, len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
+    mean = statistics.fmean(d)
+    return f"{math.exp(mean):.2f} [{math.exp(mean - half):.2f}-{math.exp(mean + half):.2f}]"
+
+
+def test_verdict_kfac_faster_when_the_interval_is_below_one(tmp_path: Path) -> None:
     line = _verdict(tmp_path, sgd=[(18, 0.1), (19, 0.1), (20, 0.1)], kfac=[(10, 0.1)] * 3)
     assert line.startswith(
         "SGD + K-FAC (COMM-OPT) reached top1 >= 0.9 in 3/3 seeds in 10 epochs (median 1.0 s), "
         "SGD in 3/3 in 19 (1.9 s): "
     )
-    times = [1.0 / 1.8, 1.0 / 1.9, 1.0 / 2.0]  # K-FAC's time over SGD's, per seed
-    took = f"K-FAC took {min(times):.2f}-{max(times):.2f}x SGD's time"
-    clock = f"on the clock K-FAC was faster in every seed both reached ({took}, seeds 0, 1, 2)"
-    assert f"{19 / 10:.1f}x fewer epochs; {clock}" in line
-    assert "only because" not in line and "fell back" not in line
-
-
-def test_verdict_says_a_median_win_comes_only_from_missed_seeds(tmp_path: Path) -> None:
-    # Seeds 0 and 1: K-FAC 1.7 s vs 1.8 s, 1.9 s vs 2.0 s (within 10 %: a tie); SGD misses seed 2, so its
-    # median (2.0 s, a miss counting as +inf) is above K-FAC's (1.9 s) only because of that miss.
-    sgd = [(18, 0.1), (20, 0.1), (None, 0.1)]
-    kfac = [(17, 0.1), (19, 0.1), (19, 0.1)]
-    line = _verdict(tmp_path, sgd=sgd, kfac=kfac)
-    took = f"{1.7 / 1.8:.2f}-{1.9 / 2.0:.2f}x"
-    assert (
-        f"on the clock a tie where both reached (K-FAC took {took} SGD's time, seeds 0, 1)" in line
-    )
-    assert line.endswith(
-        "; K-FAC's median time is lower only because SGD missed the target in 1/3 seeds"
-    )
-    assert "SGD in 2/3 in 20 (2.0 s)" in line
+    time = _paired([1.0] * 3, [1.8, 1.9, 2.0])
+    epochs = _paired([10] * 3, [18, 19, 20])
+    assert f"time to target {time}x SGD's: K-FAC faster on the clock" in line
+    assert f"epochs to target {epochs}x: K-FAC needs fewer epochs" in line
+    assert "(95 % CI: paired t interval on log ratios, 3 seeds)" in line
+    assert "censored" not in line and "fell back" not in line and "fairness" not in line
 
 
 def test_verdict_sgd_faster_on_the_clock_despite_fewer_kfac_epochs(tmp_path: Path) -> None:
     sgd = [(18, 0.1), (19, 0.1), (20, 0.1)]
     kfac = [(10, 0.3)] * 3  # 3.0 s each
     line = _verdict(tmp_path, sgd=sgd, kfac=kfac)
-    took = f"{3.0 / 2.0:.2f}-{3.0 / 1.8:.2f}x"
-    clock = f"on the clock SGD was faster in every seed both reached (K-FAC took {took} SGD's time"
-    assert f"{19 / 10:.1f}x fewer epochs; {clock}" in line
+    time = _paired([3.0] * 3, [1.8, 1.9, 2.0])
+    assert f"time to target {time}x SGD's: K-FAC slower on the clock" in line
+    assert "K-FAC needs fewer epochs" in line
+
+
+def test_an_arm_that_missed_a_seed_is_never_called_faster(tmp_path: Path) -> None:
+    # K-FAC reaches in 5 epochs (0.5 s) in seeds 0 and 1, SGD in 18 and 19 (1.8 s, 1.9 s); in seed 2
+    # K-FAC trains 10 epochs (1.0 s) without reaching the target, SGD reaches at 1.9 s. Reading K-FAC's
+    # 1.0 s as its time would make every seed faster; it is only a lower bound, so the interval stays
+    # open above and the clock gives no claim.
+    dirs = arms(tmp_path, sgd=[(18, 0.1), (19, 0.1), (19, 0.1)], kfac=[(5, 0.1), (5, 0.1)])
+    dirs.append(
+        make_run(
+            tmp_path / "kfac2",
+            seed=2,
+            curve=curve(None, epochs=10),
+            epoch_s=0.1,
+            step_s=0.036,
+            kfac="comm_opt",
+        )
+    )
+    naive = _paired([0.5, 0.5, 1.0], [1.8, 1.9, 1.9])
+    assert float(naive.split("-")[1].rstrip("]")) < 1  # what reading the lower bound would claim
+    (line,) = Comparison(find_runs(dirs)).verdicts()
+    assert "-inf]x SGD's: no clear difference on the clock (open while runs miss the target" in line
+    assert "runs that missed the target censored at their training time, K-FAC: 1" in line
+    (row,) = table_rows(find_runs(dirs))[1:]
+    assert row["time_ratio_ci_high"] == math.inf and row["reached"] == "2/3"
+
+
+def test_a_baseline_that_missed_a_seed_still_allows_faster_but_never_slower(tmp_path: Path) -> None:
+    # SGD misses seed 2 (censored at 30 epochs of 0.1 s = 3.0 s): K-FAC's 1.0 s there is at most 1/3 of
+    # SGD's time, a bound in the direction of "faster", so it enters as it is; the lower end opens.
+    line = _verdict(tmp_path, sgd=[(18, 0.1), (19, 0.1), (None, 0.1)], kfac=[(10, 0.1)] * 3)
+    d = [math.log(1.0 / 1.8), math.log(1.0 / 1.9), math.log(1.0 / 3.0)]
+    high = statistics.fmean(d) + scipy.stats.t.ppf(0.975, 2) * statistics.stdev(d) / math.sqrt(3)
+    assert f"time to target {math.exp(statistics.fmean(d)):.2f} [0-{math.exp(high):.2f}]x" in line
+    assert "K-FAC faster on the clock" in line
+    # SGD stops after 5 epochs (0.5 s) in seed 2 without reaching: K-FAC's 2.5 s there is at most 5x
+    # SGD's time. Read as 5x, every seed would be slower; it is an upper bound, so no claim of slower.
+    dirs = arms(tmp_path / "b", sgd=[(10, 0.1), (10, 0.1)], kfac=[(25, 0.1)] * 3)
+    dirs.append(
+        make_run(tmp_path / "b" / "sgd2", seed=2, curve=curve(None, 5), epoch_s=0.1, step_s=0.02)
+    )
+    naive = _paired([2.5] * 3, [1.0, 1.0, 0.5])
+    assert float(naive.split("[")[1].split("-")[0]) > 1  # what reading the lower bound would claim
+    (slower,) = Comparison(find_runs(dirs)).verdicts()
+    assert "no clear difference on the clock" in slower and "slower" not in slower
 
 
 def test_verdict_names_an_arm_that_falls_back_below_the_target(tmp_path: Path) -> None:
@@ -282,15 +336,19 @@ def test_verdict_names_an_arm_that_falls_back_below_the_target(tmp_path: Path) -
 def _crashed(tmp_path: Path) -> dict[str, Path]:
     """Runs a crash left behind, each next to a good one: a cut-off last line, an empty summary, a
     half-written summary, no summary at all."""
-    cfg = compose_run(["+recipe=digits_smoke", "kfac=none", "train.targets.top1=0.9"])
     dirs = {}
-    for name in ("cut_line", "empty_summary", "half_summary", "no_summary"):
+    for seed, name in enumerate(("cut_line", "empty_summary", "half_summary", "no_summary")):
+        cfg = compose_run(
+            ["+recipe=digits_smoke", "kfac=none", "train.targets.top1=0.9", f"train.seed={seed}"]
+        )
         d = tmp_path / name
         d.mkdir(parents=True)
         record_config(d, cfg)  # as the run recorded it when it started
         config = yaml.safe_load((d / "config.yaml").read_text())
         d.rename(tmp_path / "tmp")
-        d = make_run(d, seed=0, curve=curve(3, epochs=6), epoch_s=0.5, step_s=0.05, config=config)
+        d = make_run(
+            d, seed=seed, curve=curve(3, epochs=6), epoch_s=0.5, step_s=0.05, config=config
+        )
         (tmp_path / "tmp" / "config.yaml").rename(d / "config.yaml")
         (tmp_path / "tmp").rmdir()
         dirs[name] = d

@@ -47,6 +47,9 @@ def test_a_sweep_over_recipes_writes_one_folder_with_a_job_per_arm_and_seed(swee
     jobs = sorted(p.name for p in folder.iterdir() if p.is_dir())
     assert jobs == ["0_digits_sgd_seed0", "1_digits_sgd_seed1", "2_digits_seed0", "3_digits_seed1"]
     assert all((folder / j / "summary.json").is_file() for j in jobs)
+    # The sweep folder is the jobs' campaign: compare reads them as one comparison.
+    campaigns = {json.loads((folder / j / "summary.json").read_text())["campaign"] for j in jobs}
+    assert campaigns == {f"runs/multirun/{folder.name}"}
 
 
 @pytest.mark.slow

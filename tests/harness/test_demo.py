@@ -36,10 +36,16 @@ def test_demo_trains_both_arms_and_writes_the_comparison(tmp_path: Path) -> None
     for arm, s in (("sgd", sgd), ("kfac", kfac)):
         assert s["steps"] == 5 and s["epochs"] == 1  # 5 batches of 256 from 1437 training images
         assert len((out / f"{arm}_seed0" / "eval.jsonl").read_text().splitlines()) == 1
-    # The arms differ only in K-FAC, their own learning rate and their name: same data, seed, batch, schedule.
+    # The arms differ only in K-FAC, their own learning rate, its tuning record and their name: same data,
+    # seed, batch, schedule.
     a, b = _flat(sgd["config"]), _flat(kfac["config"])
     differ = {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
-    assert {k for k in differ if not k.startswith("kfac.")} == {"name", "optimizer.lr"}
+    assert {k for k in differ if not k.startswith("kfac.")} == {
+        "name",
+        "optimizer.lr",
+        "tuning.arm",
+        "tuning.values.optimizer.lr",
+    }
     assert a["train.seed"] == b["train.seed"] == 0 and a["train.batch_size"] == 256
     assert a["train.epochs"] == 1 and a["lr_schedule.milestones"] == b["lr_schedule.milestones"]
     rows = list(csv.DictReader((out / "compare.csv").open()))
