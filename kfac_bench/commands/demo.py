@@ -74,7 +74,9 @@ def _configs(ns: argparse.Namespace, out: Path) -> list[tuple[str, int, list[str
     Raises:
         ConfigError: a bad override (before anything trains).
     """
-    common = ["train.progress=none", f"train.campaign={out}"]
+    from kfac_bench.config import hydra_quote
+
+    common = ["train.progress=none", f"train.campaign={hydra_quote(str(out))}"]
     common += [f"train.epochs={ns.epochs}"] if ns.epochs else []
     runs = []
     for seed in ns.seeds:

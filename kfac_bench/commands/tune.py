@@ -203,6 +203,7 @@ def _sweep(
     rest: list[str],
 ) -> int:
     from kfac_bench.commands import train as train_command
+    from kfac_bench.config import hydra_quote
 
     args = [
         "-m",
@@ -213,8 +214,8 @@ def _sweep(
         *([f"train.epochs={ns.epochs}"] if ns.epochs else []),
         "train.stop_at_target=true",
         "train.progress=none",
-        f"train.campaign={out}",
-        f"hydra.sweep.dir={out / arm.key}",
+        f"train.campaign={hydra_quote(str(out))}",
+        f"hydra.sweep.dir={hydra_quote(str(out / arm.key))}",
         *rest,
     ]
     print(f"kfac-bench tune: {arm.key}: kfac-bench train {shlex.join(args)}", flush=True)
