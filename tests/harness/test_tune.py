@@ -11,9 +11,11 @@ from typing import Any
 
 import pytest
 
+from kfac_bench.commands import train as train_command
 from kfac_bench.commands import tune
 from kfac_bench.config.compose import compose_run
 from kfac_bench.errors import UserError
+from tests.recipes.test_documented_sweeps import TUNED_SWEEPS, check_baselines, miniature
 
 
 def _summary(lr: float, seed: int, **outcome: Any) -> dict[str, Any]:
@@ -78,3 +80,9 @@ def test_tune_sweeps_both_arms_and_writes_tuned_recipes_that_compose(tmp_path: P
             assert cfg.tuning["values"].kfac.damping == cfg.kfac.damping
         # The rest is the recipe's: the tuned recipe is a delta over it.
         assert cfg.train.epochs == 30 and list(cfg.lr_schedule.milestones) == [25]
+    # The documented sweep over the tuned pair runs against this config dir, each baseline tuned.
+    assert TUNED_SWEEPS
+    for n, (where, sweep_args) in enumerate(TUNED_SWEEPS):
+        sweep = tmp_path / f"sweep{n}"
+        assert train_command.main(miniature(sweep_args, sweep, tmp_path / "data", conf)) == 0
+        check_baselines(where, sweep)

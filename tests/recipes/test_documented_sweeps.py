@@ -63,16 +63,25 @@ def documented_sweeps() -> list[tuple[str, list[str]]]:
     return found
 
 
-SWEEPS = documented_sweeps()
+#: Sweeps over the recipes ``kfac-bench tune`` writes (``--config-dir``) run in tests/harness/test_tune.py,
+#: after the tune that writes them.
+SWEEPS = [s for s in documented_sweeps() if "--config-dir" not in s[1]]
+TUNED_SWEEPS = [s for s in documented_sweeps() if "--config-dir" in s[1]]
 
 
 def test_the_docs_show_sweeps() -> None:
-    where = {w.split(":")[0] for w, _ in SWEEPS}
+    where = {w.split(":")[0] for w, _ in SWEEPS + TUNED_SWEEPS}
     assert {"recipes/README.md", "configs/hydra/launcher/kfac_slurm.yaml"} <= where
 
 
-def _miniature(args: list[str], sweep_dir: Path, data: Path) -> list[str]:
-    """The sweep on this machine: the basic launcher in one process, one batch of each run."""
+def miniature(
+    args: list[str], sweep_dir: Path, data: Path, config_dir: Path | None = None
+) -> list[str]:
+    """The sweep on this machine: the basic launcher in one process, one batch of each run (and
+    ``config_dir`` for the one ``--config-dir`` names)."""
+    if "--config-dir" in args:
+        i = args.index("--config-dir")
+        args = [*args[:i], *args[i + 2 :], f"--config-dir={config_dir}"]
     kept = [
         a
         for a in args
@@ -107,8 +116,14 @@ def test_a_documented_sweep_runs_a_tuned_baseline_against_kfac(
     where: str, args: list[str], tmp_path: Path
 ) -> None:
     sweep = tmp_path / "sweep"
-    status = train_command.main(_miniature(args, sweep, tmp_path / "data"))
+    status = train_command.main(miniature(args, sweep, tmp_path / "data"))
     assert status == 0
+    check_baselines(where, sweep)
+
+
+def check_baselines(where: str, sweep: Path) -> None:
+    """The sweep's runs include a first-order baseline and K-FAC, and every baseline carries its own
+    first-order tuning record, whose values its config has."""
     summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
     assert summaries, f"{where}: no run finished"
     baselines = [s for s in summaries if not s["kfac_enabled"]]
