@@ -101,6 +101,7 @@ def _train(
         if env.is_main
         else None
     )
+    given_batch = int(cfg.train.batch_size)
     cfg = _keep_global_batch(cfg, starting)
     elastic.check_kfac_world(cfg, env.world_size)
     run = build_run(cfg, run_dir, env, device, starting_world_size=starting)
@@ -127,6 +128,12 @@ def _train(
             f"{arm_label(_arm_facts(cfg, loop.precond is not None))} | "
             f"{run.batches.steps_per_epoch} steps/epoch, "
             + (batch["global_batch_note"] or f"global batch {run.batches.global_batch}")
+            + (
+                f" ({run.batches.batch_size} per rank x {run.world.world_size}: "
+                f"train.global_batch_size {cfg.train.global_batch_size} kept)"
+                if run.batches.batch_size < given_batch
+                else ""
+            )
             + (f" | resumed at step {state.step}" if resumed else "")
             + (
                 f" (run started on {run.world.world_size} ranks: "

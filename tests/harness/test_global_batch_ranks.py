@@ -32,7 +32,7 @@ def test_two_ranks_keep_the_recipes_global_batch(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     start = next(line for line in done.stdout.splitlines() if "| world 2 on cpu |" in line)
-    assert "SGD + K-FAC (MEM-OPT) | 5 steps/epoch, global batch 256" in start
+    assert "SGD + K-FAC (MEM-OPT) | 5 steps/epoch, global batch 256 (128 per rank x 2: " in start
     assert "recipe:" not in start  # the recipe's batch: nothing to point out
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert (s["world_size"], s["global_batch"], s["recipe_global_batch"]) == (2, 256, 256)
