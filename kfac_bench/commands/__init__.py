@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "train": "train",
     "compare": "compare",
     "demo": "demo",
+    "tune": "tune",
     "plan": "plan",
     "prepare-bert": "prepare_bert",
     "squad-eval": "squad_eval",

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kfac_bench.errors import ConfigError
 
-__all__ = ["BatchLayout", "accumulation_steps", "batch_layout"]
+__all__ = ["BatchLayout", "accumulation_steps", "batch_layout", "global_batch_note", "rank_batch"]
 
 
 def accumulation_steps(
@@ -112,3 +112,42 @@ def batch_layout(
             f"{batch_size}, accumulation {accum}"
         )
     return BatchLayout(batch_size, world_size, accum, micro)
+
+
+def rank_batch(batch_size: int, world_size: int, global_batch: int | None) -> int:
+    """The per-rank micro-batch: ``batch_size``, or each rank's share of ``global_batch`` where that share is
+    smaller. A recipe that states its global batch keeps it on more ranks by splitting it (digits' 256 is
+    128 per rank on 2, 64 on 4) and on fewer by accumulating (:func:`accumulation_steps`)."""
+    if global_batch is None or world_size < 1 or global_batch % world_size:
+        return batch_size
+    return min(batch_size, global_batch // world_size)
+
+
+def global_batch_note(
+    *,
+    global_batch: int,
+    batch_size: int,
+    accumulation: int,
+    world_size: int,
+    stated_global: int | None,
+    lr_scales: bool,
+) -> tuple[int, str]:
+    """(the recipe's global batch, a note for the start line) for a run of ``global_batch`` on
+    ``world_size`` ranks. A stated ``train.global_batch_size`` is the recipe's and is kept: no note. A
+    recipe without one whose LR scales with the world size (``optimizer.scale_lr_with_world_size``, the
+    papers' per-GPU batch and linear scaling rule, SC20 §VI-C1) grows both, as it says. Otherwise the
+    recipe's global batch is its one-rank batch (``batch_size x accumulation``): more ranks (the user set
+    ``train.global_batch_size=null``) make a larger batch at the same learning rate, and the note says so.
+    """
+    if stated_global is not None:
+        return stated_global, ""
+    if lr_scales:
+        note = (
+            f"global batch {global_batch} ({batch_size} per rank x {world_size} ranks), learning rate "
+            f"x{world_size} (the recipe's rule: optimizer.scale_lr_with_world_size)"
+        )
+        return global_batch, note if world_size > 1 else ""
+    recipe = batch_size * accumulation
+    if global_batch == recipe:
+        return recipe, ""
+    return recipe, f"global batch {global_batch} (recipe: {recipe}), learning rate unchanged"

@@ -3,6 +3,7 @@ train`` calls (directly, or in each rank that ``launcher=torchrun`` or a launch 
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from kfac_bench.checkpoint import elastic, warm_start
 from kfac_bench.checkpoint.manager import CHECKPOINT_DIR
 from kfac_bench.consensus import from_main
+from kfac_bench.data.batching import global_batch_note, rank_batch
 from kfac_bench.data.loader import shutdown_workers
 from kfac_bench.errors import UserError
 from kfac_bench.launcher import distributed, rundir
@@ -20,6 +22,7 @@ from kfac_bench.launcher.signals import EXIT_REQUEUE, PreemptionFlag
 from kfac_bench.metrics import summary
 from kfac_bench.metrics.environment import run_environment
 from kfac_bench.metrics.sinks import check_log_dir
+from kfac_bench.metrics.summary import arm_label
 from kfac_bench.metrics.trackers import Tracker, open_tracker
 from kfac_bench.train.build import Run, build_run, seed_everything
 from kfac_bench.train.loop import run_loop
@@ -101,6 +104,8 @@ def _train(
         if env.is_main
         else None
     )
+    given_batch = int(cfg.train.batch_size)
+    cfg = _keep_global_batch(cfg, starting)
     elastic.check_kfac_world(cfg, env.world_size)
     tracker = open_side_channels(cfg, run_dir, env, device)
     try:
@@ -111,6 +116,7 @@ def _train(
         if tracker is not None:
             tracker.finish(None, None)  # the run never started: FAILED, not RUNNING forever
         raise
+    batch = _batch_facts(cfg, run)
     loop, state = run.loop, run.loop.state
     loop.preempt = flag
 
@@ -130,8 +136,15 @@ def _train(
     if env.is_main:
         print(
             f"kfac-bench: run dir {run_dir} | world {env.world_size} on {device} | "
-            f"kfac {'on' if loop.precond is not None else 'off'} | "
-            f"{run.batches.steps_per_epoch} steps/epoch, global batch {run.batches.global_batch}"
+            f"{arm_label(_arm_facts(cfg, loop.precond is not None))} | "
+            f"{run.batches.steps_per_epoch} steps/epoch, "
+            + (batch["global_batch_note"] or f"global batch {run.batches.global_batch}")
+            + (
+                f" ({run.batches.batch_size} per rank x {run.world.world_size}: "
+                f"train.global_batch_size {cfg.train.global_batch_size} kept)"
+                if run.batches.batch_size < given_batch
+                else ""
+            )
             + (f" | resumed at step {state.step}" if resumed else "")
             + (
                 f" (run started on {run.world.world_size} ranks: "
@@ -165,7 +178,7 @@ def _train(
         assert status is not None  # run_loop returned
         result = None
         try:
-            result = _summarize(cfg, run_dir, run, env, device, status)
+            result = _summarize(cfg, run_dir, run, env, device, status, batch)
         finally:  # TensorBoard's HParams and the tracker get the summary; closed even if it failed
             run.recorder.finish(result, status)
         print(summary.report_line(result, run_dir), flush=True)
@@ -219,6 +232,7 @@ def _summarize(
     env: distributed.DistEnv,
     device: torch.device,
     status: str,
+    batch: dict[str, Any],
 ) -> dict[str, Any]:
     """Save the task's outputs, then write and return ``summary.json`` (rank 0)."""
     loop, state = run.loop, run.loop.state
@@ -242,7 +256,54 @@ def _summarize(
         config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
         divergence=loop.divergence,
     )
+    result.update(batch)
     if loop.step_timer is not None:  # train.mode=benchmark
         result["benchmark"] = loop.step_timer.summary()
     summary.write_summary(run_dir, result)
     return result
+
+
+def _keep_global_batch(cfg: DictConfig, world_size: int) -> DictConfig:
+    """``cfg`` with each rank's micro-batch cut to its share of a stated global batch on ``world_size``
+    ranks (the run's starting world), so that more ranks run the recipe's experiment, not a larger batch
+    at the same learning rate (:func:`kfac_bench.data.batching.rank_batch`)."""
+    t = cfg.train
+    micro = rank_batch(int(t.batch_size), world_size, t.global_batch_size)
+    if micro == t.batch_size:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    cfg.train.batch_size = micro
+    return cfg
+
+
+def _batch_facts(cfg: DictConfig, run: Run) -> dict[str, Any]:
+    """``global_batch``, ``recipe_global_batch`` and ``global_batch_note`` (None: the recipe's batch) of
+    ``summary.json``; the note is also the start line's."""
+    b = run.batches
+    recipe, note = global_batch_note(
+        global_batch=b.global_batch,
+        batch_size=b.batch_size,
+        accumulation=int(cfg.train.accumulation_steps),
+        world_size=run.world.world_size,
+        stated_global=cfg.train.global_batch_size,
+        lr_scales=bool(cfg.optimizer.scale_lr_with_world_size),
+    )
+    return {
+        "global_batch": b.global_batch,
+        "recipe_global_batch": recipe,
+        "global_batch_note": note or None,
+    }
+
+
+def _arm_facts(cfg: DictConfig, kfac_on: bool) -> dict[str, Any]:
+    """What :func:`arm_label` reads of a summary: the optimizer and the K-FAC strategy."""
+    return {
+        "kfac_enabled": kfac_on,
+        "config": {
+            "optimizer": {
+                "name": str(cfg.optimizer.name.value),
+                "nesterov": cfg.optimizer.get("nesterov"),
+            },
+            "kfac": {"grad_worker_fraction": cfg.kfac.get("grad_worker_fraction")},
+        },
+    }

@@ -109,7 +109,10 @@ def test_a_run_resumed_on_another_world_size_is_the_uninterrupted_run(
     launch = _ranks(ranks) if ranks > 1 else []
     done = run("train", *RUN, "+model.at=4", *launch, cwd=cwd, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "global batch 128 | resumed at step 2" in done.stdout
+    # No global batch stated: the start line says the batch is the 2-rank start's, not the one-rank 64.
+    assert (
+        "global batch 128 (recipe: 64), learning rate unchanged | resumed at step 2" in done.stdout
+    )
     assert f"{128 // (32 * ranks)} accumulation steps keep its global batch" in done.stdout
     got = _outcome(cwd)
     assert summary(cwd / "run")["world_size"] == ranks
