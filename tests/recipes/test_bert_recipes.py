@@ -82,10 +82,12 @@ def test_paper_values_of_both_arms(phase: int) -> None:
         s = cfg.lr_schedule
         assert str(s.name.value) == "polynomial" and str(s.unit.value) == "fraction"
         assert s.warmup == pytest.approx(warmup) and s.power == 0.5 and s.warmup_start_factor == 0
-    # The two arms differ only in the K-FAC switch (same loop, data order, metrics).
+    # The two arms differ only in the K-FAC switch (same loop, data order, metrics) and in which arm their
+    # tuning record is for.
     a, b = (OmegaConf.to_container(c, resolve=True) for c in (kfac, lamb))
     assert isinstance(a, dict) and isinstance(b, dict)
-    assert {k for k in a if a[k] != b[k]} == {"kfac", "name"}
+    assert {k for k in a if a[k] != b[k]} == {"kfac", "name", "tuning"}
+    assert (kfac.tuning.arm, lamb.tuning.arm) == ("kfac", "lamb")
     assert lamb.kfac.enabled is False and kfac.kfac.enabled is True
     k = kfac.kfac
     assert k.grad_worker_fraction == "0.5"  # HYBRID-OPT

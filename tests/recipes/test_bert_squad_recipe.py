@@ -50,12 +50,10 @@ def test_recipe_has_the_reference_fine_tuning_values() -> None:
     assert str(o.name.value) == "adamw" and o.lr == pytest.approx(3e-5)
     assert list(o.betas) == [0.9, 0.999] and o.eps == 1e-8 and o.weight_decay == 0.01
     assert o.no_decay_bias_and_norm and not o.scale_lr_with_world_size
-    t = (
-        cfg.train
-    )  # run_squad.sh: 2 epochs, batch 4 on 1 GPU, fp16; GradientClipper(max_grad_norm=1.0)
-    assert (
-        t.epochs == 2 and t.max_steps is None and t.batch_size == 4 and t.global_batch_size is None
-    )
+    # run_squad.sh: 2 epochs, batch 4 on 1 GPU, fp16; GradientClipper(max_grad_norm=1.0). The batch of 4 is
+    # the experiment's global batch, kept on any number of ranks.
+    t = cfg.train
+    assert t.epochs == 2 and t.max_steps is None and t.batch_size == 4 and t.global_batch_size == 4
     assert str(t.precision.value) == "fp16" and t.grad_clip_norm == 1.0
     assert dict(t.targets) == {"f1": 90.1} and not t.stop_at_target  # TPDS §6.3.3, reported
     assert cfg.kfac.enabled is False  # K-FAC is a pretraining method here

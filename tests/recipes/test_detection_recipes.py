@@ -89,10 +89,12 @@ def test_paper_values_of_both_arms() -> None:
     assert (k.damping, k.factor_decay, k.kl_clip) == (0.003, 0.95, 0.001)
     assert (k.factor_update_steps, k.inv_update_steps) == (F_FREQ, K_FREQ)
     assert k.grad_worker_fraction == "comm_opt"
-    # The two arms differ only in the K-FAC switch and their names (same loop, data, schedule, metrics).
+    # The two arms differ only in the K-FAC switch, their names and the arm their tuning record is for
+    # (same loop, data, schedule, metrics).
+    assert (kfac.tuning.arm, sgd.tuning.arm) == ("kfac", "sgd")
     a, b = (OmegaConf.to_container(c, resolve=True) for c in (kfac, sgd))
     for c in (a, b):
-        c.pop("kfac"), c.pop("name")  # type: ignore[union-attr]
+        c.pop("kfac"), c.pop("name"), c.pop("tuning")  # type: ignore[union-attr]
     assert a == b
 
 

@@ -51,7 +51,7 @@ def _summary(run_dir: Path) -> dict:
 def _no_kfac_no_name(cfg: object) -> dict:
     c = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(c, dict)
-    c.pop("kfac"), c.pop("name")
+    c.pop("kfac"), c.pop("name"), c.pop("tuning")  # each arm's own tuning record
     return c
 
 
