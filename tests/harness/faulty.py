@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -14,8 +15,10 @@ from kfac_bench.models.small_cnn import SmallCNN
 
 class FaultOnce(SmallCNN):
     """SmallCNN that, at its ``at``-th training forward on rank ``rank``, does ``action`` once per marker:
-    ``exit`` (``os._exit(1)``), ``kill`` (SIGKILL to itself) or a signal name (``USR1``, ``USR2``,
-    ``TERM``) sent to itself, as a cluster would send it, after which it trains on."""
+    ``exit`` (``os._exit(1)``), ``kill`` (SIGKILL to itself), a signal name (``USR1``, ``USR2``,
+    ``TERM``) sent to itself, as a cluster would send it, after which it trains on, or ``hold``: wait (at
+    most :data:`HOLD_S` s) until the process has received a preemption signal from outside, so that the
+    signal finds the run mid-training however fast it trains."""
 
     def __init__(self, marker: str, at: int, action: str, rank: int = 0, **kwargs: int) -> None:
         super().__init__(**kwargs)
@@ -29,6 +32,9 @@ class FaultOnce(SmallCNN):
                 self.marker.write_text(self.action)
                 if self.action == "exit":
                     os._exit(1)
+                if self.action == "hold":
+                    _hold_until_signalled()
+                    return super().forward(x)
                 sig = (
                     signal.SIGKILL
                     if self.action == "kill"
@@ -36,6 +42,21 @@ class FaultOnce(SmallCNN):
                 )
                 os.kill(os.getpid(), sig)
         return super().forward(x)
+
+
+#: The longest a ``hold`` waits for its signal.
+HOLD_S = 300.0
+
+
+def _hold_until_signalled() -> None:
+    """Until the run's preemption handler (:class:`kfac_bench.launcher.signals.PreemptionFlag`) has recorded
+    a signal."""
+    deadline = time.monotonic() + HOLD_S
+    while time.monotonic() < deadline:
+        flag = getattr(signal.getsignal(signal.SIGUSR1), "__self__", None)
+        if getattr(flag, "signum", None) is not None:
+            return
+        time.sleep(0.05)
 
 
 def build_fault_once(
