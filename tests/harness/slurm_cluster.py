@@ -3,7 +3,8 @@
 Debian's ``slurm-wlm`` and ``munge`` packages (``.ci/slurm-install`` installs them, as root) with a
 ``slurm.conf`` of its own under :data:`HOME` (clients find it through ``SLURM_CONF``; no system file is
 touched): one node with this machine's CPUs and memory (``slurmd -C``), one partition, ``select/cons_tres``
-with cores and memory as consumable resources, ``proctrack/linuxproc`` (no cgroup set-up needed in a
+with cores and memory as consumable resources (each core shared by up to 4 jobs, so that the tests' jobs,
+submitted together, run together), ``proctrack/linuxproc`` (no cgroup set-up needed in a
 container), no accounting, and short timers so that requeues, dependencies and kills take seconds. Ports
 16817/16818 keep clear of a site's own SLURM.
 
@@ -100,7 +101,7 @@ SlurmctldTimeout=30
 SlurmdTimeout=30
 JobRequeue=1
 NodeName={name} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory} State=UNKNOWN
-PartitionName={PARTITION} Nodes={name} Default=YES MaxTime=INFINITE State=UP
+PartitionName={PARTITION} Nodes={name} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 """
 
 

@@ -5,8 +5,9 @@ two jobs on the node at once (each on its own rendezvous port), preemption by a 
 Skipped, with one line, where SLURM is not installed (``make test-slurm`` installs it as root).
 
 The node has no GPUs: each job asks for ``--gpus-per-node=0`` and sets its ranks with ``GPUS_PER_NODE``
-(the script's ``--export=ALL,GPUS_PER_NODE=N`` form) and ``train.device=cpu``. All the tests are in this
-one file, so that one pytest-xdist worker (``--dist loadfile``) owns the cluster."""
+(the script's ``--export=ALL,GPUS_PER_NODE=N`` form) and ``train.device=cpu``. Every job is submitted
+before the first test (:func:`_all_submitted`), so that they run together; each test then checks its own.
+All the tests are in this one file, so that one pytest-xdist worker (``--dist loadfile``) owns the cluster."""
 
 from __future__ import annotations
 
@@ -102,16 +103,92 @@ def output(cwd: Path, job_id: str) -> str:
 
 
 def _ended(info: dict[str, str], cwd: Path, job_id: str) -> None:
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", output(cwd, job_id)[-3000:]
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", output(cwd, job_id)[
+        -3000:
+    ]
 
 
-def test_two_two_rank_jobs_share_the_node_at_once(cluster: None, tmp_path: Path) -> None:
-    """``sbatch -> srun -> agent -> 2 ranks`` to success, twice at once on the 2-CPU node, each job on
-    its own rendezvous port; one trains a user's recipe from ``--config-dir`` (a space in its path)."""
+@pytest.fixture(scope="module")
+def preemptible(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A 2-rank job on 2 CPUs whose rank 0 holds at its 3rd step until a preemption signal reaches it, with
+    an interpreter that records what srun gave its task (``step.env``)."""
+    tmp_path = tmp_path_factory.mktemp("preempt")
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    steps_env = tmp_path / "step.env"  # what srun gave the task, each time the job ran
+    shim(
+        python,
+        f'if [ -n "${{SLURM_STEP_ID:-}}" ] && [ "$SLURM_STEP_ID" != batch ]; then\n'
+        f'  echo "$SLURM_STEP_ID $SLURM_CPUS_PER_TASK" >> {steps_env}; fi\n'
+        f'exec {sys.executable} "$@"\n',
+    )
+    marker = tmp_path / "held"
+    args = (*TINY, "train.epochs=4", "train.checkpoint_every_epochs=0")
+    e = job_env(2, PYTHON=str(python), MAX_RESTARTS="1")
+    return tmp_path, submit(
+        tmp_path, e, "--cpus-per-task=2", args=(*args, *fault(marker, 3, "hold"))
+    )
+
+
+def test_preemption_by_signal_is_requeued_and_resumes_to_success(
+    preemptible: tuple[Path, str],
+) -> None:
+    """``scancel --batch --signal=USR1`` (what ``--signal=B:USR1@180`` sends) while rank 0 is mid-run: the
+    ranks checkpoint, the script requeues the job (once, with torchrun restarts allowed), and the requeued
+    job resumes the same run directory to the end. srun gets the job's CPUs (2) for its task."""
+    tmp_path, j = preemptible
+    marker, steps_env = tmp_path / "held", tmp_path / "step.env"
+    run_dir = tmp_path / "runs" / f"slurm-{j}"
+    deadline = time.monotonic() + hang_limit(120)
+    while not marker.exists():  # rank 0 holds at its 3rd step until the signal reaches it
+        assert job(j)["JobState"] in ("PENDING", "RUNNING"), output(tmp_path, j)[-3000:]
+        assert time.monotonic() < deadline, "rank 0 never reached its 3rd step"
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", j], env=slurm_cluster.env(), check=True)
+    info = wait_for(j, ("PENDING", *ENDED))  # requeued: held back by SLURM's begin time
+    assert info["JobState"] == "PENDING", output(tmp_path, j)[-3000:]
+    assert summary(run_dir)["status"] == "preempted" and (run_dir / PREEMPTED_FILE).is_file()
+    # SLURM holds a requeued job back for 2 minutes; the test lets it start 2 s on (not in the second of
+    # the requeue, whose launch credential slurmd takes for the killed one's), once its ranks are gone.
+    deadline = time.monotonic() + hang_limit(60)
+    while processes_mentioning(str(run_dir)):
+        assert time.monotonic() < deadline, "the preempted ranks did not end"
+        time.sleep(0.1)
+    subprocess.run(
+        ["scontrol", "update", f"JobId={j}", "StartTime=now+2"],
+        env=slurm_cluster.env(),
+        check=True,
+    )
+    info = wait_for(j, ENDED)
+    _ended(info, tmp_path, j)
+    out = output(tmp_path, j)
+    assert info["Restarts"] == "1" and out.count(f"requeueing job {j}") == 1
+    assert (
+        out.count("kfac-bench: run dir") == 2
+    )  # once per start: preempted ranks were not restarted
+    s = summary(run_dir)
+    assert s["status"] in DONE and s["steps"] == 24 and s["world_size"] == 2
+    assert not (run_dir / PREEMPTED_FILE).exists()
+    assert eval_steps(run_dir) == sorted(set(eval_steps(run_dir)))  # no step logged twice
+    assert steps_env.read_text().split() == ["0", "2", "0", "2"]  # each start: step 0, 2 CPUs
+    assert not processes_mentioning(str(run_dir))
+
+
+@pytest.fixture(scope="module")
+def pair(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
+    """Two 2-rank jobs, one training a user's recipe from ``--config-dir`` (a space in its path)."""
+    tmp_path = tmp_path_factory.mktemp("pair")
     user = user_config_dir(tmp_path)
     mine = ("--config-dir", str(user), *TINY_SETTINGS, "+recipe=mine", "kfac=none")
     a = submit(tmp_path, job_env(2), "--cpus-per-task=1", args=(*mine, "train.epochs=1"))
     b = submit(tmp_path, job_env(2), "--cpus-per-task=1", args=(*TINY, "train.epochs=1"))
+    return tmp_path, a, b
+
+
+def test_two_two_rank_jobs_share_the_node_at_once(pair: tuple[Path, str, str]) -> None:
+    """``sbatch -> srun -> agent -> 2 ranks`` to success, twice at once on one node, each job on its own
+    rendezvous port."""
+    tmp_path, a, b = pair
     ja, jb = wait_for(a, ENDED), wait_for(b, ENDED)
     _ended(ja, tmp_path, a)
     _ended(jb, tmp_path, b)
@@ -125,58 +202,12 @@ def test_two_two_rank_jobs_share_the_node_at_once(cluster: None, tmp_path: Path)
         ports.append(int(found.group(1)))
     assert ports == [29500 + int(a) % 10000, 29500 + int(b) % 10000]
     sa, sb = summary(tmp_path / "runs" / f"slurm-{a}"), summary(tmp_path / "runs" / f"slurm-{b}")
-    assert sa["world_size"] == sb["world_size"] == 2 and sa["status"] in DONE and sb["status"] in DONE
+    assert (
+        sa["world_size"] == sb["world_size"] == 2 and sa["status"] in DONE and sb["status"] in DONE
+    )
     assert sa["name"] == "mine" and sa["config"]["model"]["hidden"] == 16  # the user's recipe
     assert not (tmp_path / "runs" / f"slurm-{a}" / PREEMPTED_FILE).exists()
     assert ja["Restarts"] == jb["Restarts"] == "0"  # a finished job is not requeued
-
-
-def test_preemption_by_signal_is_requeued_and_resumes_to_success(
-    cluster: None, tmp_path: Path
-) -> None:
-    """``scancel --batch --signal=USR1`` (what ``--signal=B:USR1@180`` sends) while rank 0 is mid-run: the
-    ranks checkpoint, the script requeues the job (once, with torchrun restarts allowed), and the requeued
-    job resumes the same run directory to the end. srun gets the job's CPUs (2) for its task."""
-    python = tmp_path / "bin" / "python"
-    python.parent.mkdir()
-    steps_env = tmp_path / "step.env"  # what srun gave the task, each time the job ran
-    shim(
-        python,
-        f'if [ -n "${{SLURM_STEP_ID:-}}" ] && [ "$SLURM_STEP_ID" != batch ]; then\n'
-        f'  echo "$SLURM_STEP_ID $SLURM_CPUS_PER_TASK" >> {steps_env}; fi\n'
-        f'exec {sys.executable} "$@"\n',
-    )
-    marker = tmp_path / "held"
-    args = (*TINY, "train.epochs=4", "train.checkpoint_every_epochs=0")
-    e = job_env(2, PYTHON=str(python), MAX_RESTARTS="1")
-    j = submit(tmp_path, e, "--cpus-per-task=2", args=(*args, *fault(marker, 3, "hold")))
-    run_dir = tmp_path / "runs" / f"slurm-{j}"
-    deadline = time.monotonic() + hang_limit(120)
-    while not marker.exists():  # rank 0 holds at its 3rd step until the signal reaches it
-        assert job(j)["JobState"] in ("PENDING", "RUNNING"), output(tmp_path, j)[-3000:]
-        assert time.monotonic() < deadline, "rank 0 never reached its 3rd step"
-        time.sleep(0.2)
-    subprocess.run(
-        ["scancel", "--batch", "--signal=USR1", j], env=slurm_cluster.env(), check=True
-    )
-    info = wait_for(j, ("PENDING", *ENDED))  # requeued: held back by SLURM's begin time
-    assert info["JobState"] == "PENDING", output(tmp_path, j)[-3000:]
-    assert summary(run_dir)["status"] == "preempted" and (run_dir / PREEMPTED_FILE).is_file()
-    # SLURM delays a requeued job's start by 2 minutes; the test does not wait for that.
-    subprocess.run(
-        ["scontrol", "update", f"JobId={j}", "StartTime=now"], env=slurm_cluster.env(), check=True
-    )
-    info = wait_for(j, ENDED)
-    _ended(info, tmp_path, j)
-    out = output(tmp_path, j)
-    assert info["Restarts"] == "1" and out.count(f"requeueing job {j}") == 1
-    assert out.count("kfac-bench: run dir") == 2  # once per start: preempted ranks were not restarted
-    s = summary(run_dir)
-    assert s["status"] in DONE and s["steps"] == 24 and s["world_size"] == 2
-    assert not (run_dir / PREEMPTED_FILE).exists()
-    assert eval_steps(run_dir) == sorted(set(eval_steps(run_dir)))  # no step logged twice
-    assert steps_env.read_text().split() == ["0", "2", "0", "2"]  # each start: step 0, 2 CPUs
-    assert not processes_mentioning(str(run_dir))
 
 
 CHAIN_SBATCH = """\
@@ -196,9 +227,10 @@ exec sbatch "${{args[@]}}"
 """
 
 
-def test_the_bert_chain_runs_its_jobs_in_order_each_from_the_last_checkpoint(
-    cluster: None, tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def chain(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """``launch/bert_chain.sh lamb kfac`` submitted through :data:`CHAIN_SBATCH`: its three job ids."""
+    tmp_path = tmp_path_factory.mktemp("chain")
     wrapper = tmp_path / "bin" / "sbatch"
     wrapper.parent.mkdir()
     place = f"--chdir={tmp_path} --output={tmp_path}/slurm-%j.out"  # not the repository (the chain's cwd)
@@ -217,13 +249,32 @@ def test_the_bert_chain_runs_its_jobs_in_order_each_from_the_last_checkpoint(
     assert result.returncode == 0, result.stderr
     ids = re.search(r"jobs (\d+) -> (\d+) -> (\d+)", result.stdout)
     assert ids, result.stdout
-    jobs = list(ids.groups())
+    return tmp_path, list(ids.groups())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _all_submitted(
+    preemptible: tuple[Path, str], pair: tuple[Path, str, str], chain: tuple[Path, list[str]]
+) -> None:
+    """Every job of the module in the queue before the first test looks at one."""
+
+
+def test_the_bert_chain_runs_its_jobs_in_order_each_from_the_last_checkpoint(
+    chain: tuple[Path, list[str]],
+) -> None:
+    """Each job of the chain starts once the one before it has completed (``afterok``), in its fixed run
+    directory, from the checkpoint the one before it wrote."""
+    tmp_path, jobs = chain
+    chain_dir = tmp_path / "chain"
     infos = [wait_for(j, ENDED, timeout=180) for j in jobs]
     for j, info in zip(jobs, infos, strict=True):
         _ended(info, tmp_path, j)
     assert infos[1]["Dependency"] == infos[2]["Dependency"] == "(null)"  # satisfied
-    assert infos[0]["EndTime"] <= infos[1]["StartTime"] and infos[1]["EndTime"] <= infos[2]["StartTime"]
-    stages = [summary(chain / stage) for stage in ("phase1", "phase2", "squad")]
+    assert (
+        infos[0]["EndTime"] <= infos[1]["StartTime"]
+        and infos[1]["EndTime"] <= infos[2]["StartTime"]
+    )
+    stages = [summary(chain_dir / stage) for stage in ("phase1", "phase2", "squad")]
     assert all(s["status"] in DONE for s in stages)
-    assert stages[1]["config"]["train"]["init_from"] == f"{chain}/phase1/checkpoints/last.pt"
-    assert stages[2]["config"]["train"]["init_from"] == f"{chain}/phase2/checkpoints/last.pt"
+    assert stages[1]["config"]["train"]["init_from"] == f"{chain_dir}/phase1/checkpoints/last.pt"
+    assert stages[2]["config"]["train"]["init_from"] == f"{chain_dir}/phase2/checkpoints/last.pt"
