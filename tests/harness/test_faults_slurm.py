@@ -1,7 +1,7 @@
 """``launch/slurm.sbatch`` under a fake SLURM (``srun``/``scontrol`` shims on PATH), for what the real
 single-node SLURM of tests/harness/test_slurm.py (preemption, requeue and resume; finished jobs) cannot
 show: a crashed rank is never requeued; a node list of 200k hosts cannot kill the script before ``srun``;
-environment and resources are explicit variables."""
+environment and resources are explicit variables, and the job's CPUs reach ``srun`` explicitly."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 
 RECORD_SRUN = (
     'printf "%s\\n" "$@" > "$SRUN_ARGS"\necho "setup=${KFAC_SETUP_RAN:-no}" >> "$SRUN_ARGS"\n'
+    'echo "SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK:-}" >> "$SRUN_ARGS"\n'
 )
 
 
@@ -39,11 +40,15 @@ def test_a_long_node_list_does_not_end_the_script_and_paths_and_setup_are_explic
     setup = tmp_path / "setup.sh"
     setup.write_text("export KFAC_SETUP_RAN=yes\n")
     e.update(SRUN_ARGS=str(tmp_path / "srun.args"), KFAC_BENCH_SETUP=str(setup), RUN_DIR="rel/dir")
+    e.update(SLURM_CPUS_PER_TASK="6")
+    e.pop("RDZV_PORT")  # the job's own: 29500 + 4242
     proc = sbatch(tmp_path, e, "kfac=none", cwd=tmp_path / "bin")
     _, err = proc.communicate(timeout=hang_limit(60))
     assert proc.returncode == 0, err
     args = (tmp_path / "srun.args").read_text().splitlines()
-    assert f"--rdzv-endpoint=node000000:{e['RDZV_PORT']}" in args
+    assert "--rdzv-endpoint=node000000:33742" in args
+    # The job's CPUs, to srun explicitly (srun of Slurm 22.05-23.02 does not inherit them).
+    assert "--cpus-per-task=6" in args and "SRUN_CPUS_PER_TASK=6" in args
     assert (
         "--nproc-per-node=2" in args and args[args.index("-m") + 1] == "kfac_bench.launcher.agent"
     )

@@ -90,6 +90,11 @@ def job(job_id: str) -> dict[str, str]:
     return dict(f.split("=", 1) for f in out.split() if "=" in f)
 
 
+def cancel(*job_ids: str) -> None:
+    """End what is left of the jobs (nothing, after a test that passed)."""
+    subprocess.run(["scancel", *job_ids], env=slurm_cluster.env(), capture_output=True, check=False)
+
+
 def wait_for(job_id: str, states: tuple[str, ...], timeout: float = 120) -> dict[str, str]:
     deadline = time.monotonic() + hang_limit(timeout)
     while (info := job(job_id))["JobState"] not in states:
@@ -103,13 +108,14 @@ def output(cwd: Path, job_id: str) -> str:
 
 
 def _ended(info: dict[str, str], cwd: Path, job_id: str) -> None:
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", output(cwd, job_id)[
-        -3000:
-    ]
+    log = output(cwd, job_id)[-3000:]
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
 
 
 @pytest.fixture(scope="module")
-def preemptible(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+def preemptible(
+    cluster: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, str]]:
     """A 2-rank job on 2 CPUs whose rank 0 holds at its 3rd step until a preemption signal reaches it, with
     an interpreter that records what srun gave its task (``step.env``)."""
     tmp_path = tmp_path_factory.mktemp("preempt")
@@ -125,9 +131,9 @@ def preemptible(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> tupl
     marker = tmp_path / "held"
     args = (*TINY, "train.epochs=4", "train.checkpoint_every_epochs=0")
     e = job_env(2, PYTHON=str(python), MAX_RESTARTS="1")
-    return tmp_path, submit(
-        tmp_path, e, "--cpus-per-task=2", args=(*args, *fault(marker, 3, "hold"))
-    )
+    j = submit(tmp_path, e, "--cpus-per-task=2", args=(*args, *fault(marker, 3, "hold")))
+    yield tmp_path, j
+    cancel(j)
 
 
 def test_preemption_by_signal_is_requeued_and_resumes_to_success(
@@ -163,9 +169,8 @@ def test_preemption_by_signal_is_requeued_and_resumes_to_success(
     _ended(info, tmp_path, j)
     out = output(tmp_path, j)
     assert info["Restarts"] == "1" and out.count(f"requeueing job {j}") == 1
-    assert (
-        out.count("kfac-bench: run dir") == 2
-    )  # once per start: preempted ranks were not restarted
+    starts = out.count("kfac-bench: run dir")
+    assert starts == 2  # once per start of the job: the preempted ranks were not restarted
     s = summary(run_dir)
     assert s["status"] in DONE and s["steps"] == 24 and s["world_size"] == 2
     assert not (run_dir / PREEMPTED_FILE).exists()
@@ -175,14 +180,17 @@ def test_preemption_by_signal_is_requeued_and_resumes_to_success(
 
 
 @pytest.fixture(scope="module")
-def pair(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
+def pair(
+    cluster: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, str, str]]:
     """Two 2-rank jobs, one training a user's recipe from ``--config-dir`` (a space in its path)."""
     tmp_path = tmp_path_factory.mktemp("pair")
     user = user_config_dir(tmp_path)
     mine = ("--config-dir", str(user), *TINY_SETTINGS, "+recipe=mine", "kfac=none")
     a = submit(tmp_path, job_env(2), "--cpus-per-task=1", args=(*mine, "train.epochs=1"))
     b = submit(tmp_path, job_env(2), "--cpus-per-task=1", args=(*TINY, "train.epochs=1"))
-    return tmp_path, a, b
+    yield tmp_path, a, b
+    cancel(a, b)
 
 
 def test_two_two_rank_jobs_share_the_node_at_once(pair: tuple[Path, str, str]) -> None:
@@ -227,16 +235,17 @@ exec sbatch "${{args[@]}}"
 """
 
 
-@pytest.fixture(scope="module")
-def chain(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
-    """``launch/bert_chain.sh lamb kfac`` submitted through :data:`CHAIN_SBATCH`: its three job ids."""
-    tmp_path = tmp_path_factory.mktemp("chain")
+def _submit_chain(tmp_path: Path, name: str, **extra: str) -> list[str]:
+    """``launch/bert_chain.sh lamb kfac`` into ``tmp_path/name`` through :data:`CHAIN_SBATCH`: its three
+    job ids."""
     wrapper = tmp_path / "bin" / "sbatch"
-    wrapper.parent.mkdir()
-    place = f"--chdir={tmp_path} --output={tmp_path}/slurm-%j.out"  # not the repository (the chain's cwd)
-    shim(wrapper, CHAIN_SBATCH.format(tiny=" ".join(TINY), place=place))
-    chain = tmp_path / "chain"
-    e = job_env(1, SBATCH=str(wrapper), CHAIN_DIR=str(chain), NODES="1")
+    if not wrapper.exists():
+        wrapper.parent.mkdir()
+        place = (
+            f"--chdir={tmp_path} --output={tmp_path}/slurm-%j.out"  # not the chain's cwd (the repo)
+        )
+        shim(wrapper, CHAIN_SBATCH.format(tiny=" ".join(TINY), place=place))
+    e = job_env(1, SBATCH=str(wrapper), CHAIN_DIR=str(tmp_path / name), NODES="1", **extra)
     e["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{e['PATH']}"
     result = subprocess.run(
         ["bash", str(REPO / "launch" / "bert_chain.sh"), "lamb", "kfac"],
@@ -249,27 +258,41 @@ def chain(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path
     assert result.returncode == 0, result.stderr
     ids = re.search(r"jobs (\d+) -> (\d+) -> (\d+)", result.stdout)
     assert ids, result.stdout
-    return tmp_path, list(ids.groups())
+    return list(ids.groups())
+
+
+@pytest.fixture(scope="module")
+def chains(
+    cluster: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, list[str], list[str]]]:
+    """Two chains: one that runs, one whose phase 1 fails (an override no config has)."""
+    tmp_path = tmp_path_factory.mktemp("chain")
+    good = _submit_chain(tmp_path, "chain")
+    bad = _submit_chain(tmp_path, "broken", P1_ARGS="+no_such_key=1 train.epochs=-1")
+    yield tmp_path, good, bad
+    cancel(*good, *bad)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _all_submitted(
-    preemptible: tuple[Path, str], pair: tuple[Path, str, str], chain: tuple[Path, list[str]]
+    preemptible: tuple[Path, str],
+    pair: tuple[Path, str, str],
+    chains: tuple[Path, list[str], list[str]],
 ) -> None:
     """Every job of the module in the queue before the first test looks at one."""
 
 
 def test_the_bert_chain_runs_its_jobs_in_order_each_from_the_last_checkpoint(
-    chain: tuple[Path, list[str]],
+    chains: tuple[Path, list[str], list[str]],
 ) -> None:
-    """Each job of the chain starts once the one before it has completed (``afterok``), in its fixed run
-    directory, from the checkpoint the one before it wrote."""
-    tmp_path, jobs = chain
+    """Each job of the chain starts once the one before it has completed (``afterok``; submitted
+    together, on a node with room for all three, they would otherwise start at once), in its fixed run
+    directory, from the checkpoint the one before it wrote; after a failed phase 1 nothing else runs."""
+    tmp_path, jobs, broken = chains
     chain_dir = tmp_path / "chain"
     infos = [wait_for(j, ENDED, timeout=180) for j in jobs]
     for j, info in zip(jobs, infos, strict=True):
         _ended(info, tmp_path, j)
-    assert infos[1]["Dependency"] == infos[2]["Dependency"] == "(null)"  # satisfied
     assert (
         infos[0]["EndTime"] <= infos[1]["StartTime"]
         and infos[1]["EndTime"] <= infos[2]["StartTime"]
@@ -278,3 +301,9 @@ def test_the_bert_chain_runs_its_jobs_in_order_each_from_the_last_checkpoint(
     assert all(s["status"] in DONE for s in stages)
     assert stages[1]["config"]["train"]["init_from"] == f"{chain_dir}/phase1/checkpoints/last.pt"
     assert stages[2]["config"]["train"]["init_from"] == f"{chain_dir}/phase2/checkpoints/last.pt"
+    failed = wait_for(broken[0], ENDED)
+    assert failed["JobState"] == "FAILED" and failed["ExitCode"] == "2:0"
+    # Phase 2 never starts; SQuAD waits on it.
+    reasons = [(job(j)["JobState"], job(j)["Reason"]) for j in broken[1:]]
+    assert reasons == [("PENDING", "DependencyNeverSatisfied"), ("PENDING", "Dependency")]
+    assert not (tmp_path / "broken" / "phase2").exists()
