@@ -128,7 +128,9 @@ def _answers() -> bool:
         )
     except (OSError, subprocess.TimeoutExpired):
         return False
-    return out.returncode == 0 and out.stdout.strip().rstrip("*") in ("idle", "mix", "alloc")
+    # idle, mix, alloc or comp (completing: a job ending); a suffix such as '*' (not responding) or a down,
+    # drained or invalid node is not taking jobs.
+    return out.returncode == 0 and out.stdout.strip() in ("idle", "mix", "alloc", "comp")
 
 
 def running() -> bool:

@@ -226,6 +226,7 @@ args=()
 for a in "$@"; do
   case "$a" in
     --gpus-per-node=*) args+=(--gpus-per-node=0 --cpus-per-task=1 --mem-per-cpu=1G {place}) ;;
+    --cpus-per-task=*) ;;
     +recipe=*) args+=({tiny} kfac=none train.epochs=1) ;;
     model.init_checkpoint=*) args+=("train.init_from=${{a#model.init_checkpoint=}}") ;;
     *) args+=("$a") ;;
