@@ -1,7 +1,8 @@
 """``launch/slurm.sbatch`` and ``launch/bert_chain.sh`` on a real single-node SLURM (munged, slurmctld and
 slurmd started by :mod:`tests.harness.slurm_cluster`): ``sbatch -> srun -> agent -> ranks`` to success,
 two jobs on the node at once (each on its own rendezvous port), preemption by a signal and
-``scontrol requeue`` resumed to success, and the BERT chain's ``afterok`` dependencies in miniature.
+``scontrol requeue`` resumed to success, a crashed rank failing its job (no requeue), and the BERT chain's
+``afterok`` dependencies in miniature.
 Skipped, with one line, where SLURM is not installed (``make test-slurm`` installs it as root).
 
 The node has no GPUs: each job asks for ``--gpus-per-node=0`` and sets its ranks with ``GPUS_PER_NODE``
@@ -218,6 +219,25 @@ def test_two_two_rank_jobs_share_the_node_at_once(pair: tuple[Path, str, str]) -
     assert ja["Restarts"] == jb["Restarts"] == "0"  # a finished job is not requeued
 
 
+@pytest.fixture(scope="module")
+def crashing(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
+    """A 2-rank job whose rank 1 is killed (SIGKILL) at its 10th step."""
+    tmp_path = tmp_path_factory.mktemp("crash")
+    crash = fault(tmp_path / "fault", 10, "kill", rank=1)
+    j = submit(tmp_path, job_env(2), "--cpus-per-task=1", args=(*TINY, "kfac=none", *crash))
+    yield tmp_path, j
+    cancel(j)
+
+
+def test_a_crashed_rank_fails_the_job_without_a_requeue(crashing: tuple[Path, str]) -> None:
+    tmp_path, j = crashing
+    info = wait_for(j, ENDED)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0", output(tmp_path, j)[-3000:]
+    assert info["Restarts"] == "0" and "requeueing" not in output(tmp_path, j)
+    run_dir = tmp_path / "runs" / f"slurm-{j}"
+    assert not (run_dir / PREEMPTED_FILE).exists() and not processes_mentioning(str(run_dir))
+
+
 CHAIN_SBATCH = """\
 #!/usr/bin/env bash
 # sbatch for launch/bert_chain.sh in miniature: its options, dependencies and run directories as given,
@@ -278,6 +298,7 @@ def chains(
 def _all_submitted(
     preemptible: tuple[Path, str],
     pair: tuple[Path, str, str],
+    crashing: tuple[Path, str],
     chains: tuple[Path, list[str], list[str]],
 ) -> None:
     """Every job of the module in the queue before the first test looks at one."""
