@@ -23,7 +23,7 @@ PYTEST := $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-l
 MYPY   := $(BIN)/mypy kfac_bench/kfac
 
 .DEFAULT_GOAL := help
-.PHONY: help setup train test test-fast test-slow ruff lint format bench gpu-check clean
+.PHONY: help setup train test test-fast test-slow test-slurm ruff lint format bench gpu-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -51,6 +51,10 @@ test-fast: $(STAMP)  ## the inner loop: no lint, no end-to-end (slow) or multi-p
 
 test-slow: $(STAMP)  ## the end-to-end (slow) and multi-process (distributed) tests
 	$(PYTEST) -m "(slow or distributed) and not gpu"
+
+test-slurm: $(STAMP)  ## the slurm tests on a single-node SLURM they start (as root: installs slurm-wlm, munge)
+	.ci/slurm-install
+	$(BIN)/python -m pytest -v -m slurm --durations=5 tests/harness/test_slurm.py
 
 test: ruff  ## lint and the whole suite but the GPU tests: test-fast and test-slow (PYTEST_WORKERS=2)
 	@# mypy (25 s of one core without its cache, as in a clean clone) checks beside the suite, not before it;

@@ -11,7 +11,8 @@
 # Environment: CHAIN_DIR (runs/bert-chain-<p1>-<p2>; no ','), NODES (2) x GPUS_PER_NODE (8): the paper's
 # 16 A100 for pretraining, SQUAD_GPUS (1: the authors' run_squad.sh), SQUAD_ARGS (the SQuAD files, e.g.
 # "dataset.train_file=... dataset.vocab_file=..."), P1_ARGS / P2_ARGS (e.g. P1_ARGS=train.max_steps=6000
-# for Table 4b), SBATCH (sbatch).
+# for Table 4b), CPUS_PER_GPU (5: the BERT recipes' 4 DataLoader workers + 1; each job asks for
+# --cpus-per-task = its GPUs per node x CPUS_PER_GPU), SBATCH (sbatch).
 set -euo pipefail
 
 if [ "$#" -ne 2 ] || [[ ! "$1 $2" =~ ^(lamb|kfac)\ (lamb|kfac)$ ]]; then
@@ -43,12 +44,16 @@ submit() {  # sbatch --parsable prints "jobid" or "jobid;cluster"
   echo "${out%%;*}"
 }
 gpus=${GPUS_PER_NODE:-8}
-job1=$(submit --nodes="${nodes}" --gpus-per-node="${gpus}" --export="ALL,RUN_DIR=${dir}/phase1" \
+cpus=${CPUS_PER_GPU:-5}
+job1=$(submit --nodes="${nodes}" --gpus-per-node="${gpus}" --cpus-per-task="$((gpus * cpus))" \
+  --export="ALL,RUN_DIR=${dir}/phase1" \
   launch/slurm.sbatch "+recipe=$(recipe 1 "$1")" "${p1_args[@]}")
-job2=$(submit --nodes="${nodes}" --gpus-per-node="${gpus}" --dependency="afterok:${job1}" \
+job2=$(submit --nodes="${nodes}" --gpus-per-node="${gpus}" --cpus-per-task="$((gpus * cpus))" \
+  --dependency="afterok:${job1}" \
   --export="ALL,RUN_DIR=${dir}/phase2" launch/slurm.sbatch "+recipe=$(recipe 2 "$2")" "$(ckpt phase1)" \
   "${p2_args[@]}")
-job3=$(submit --nodes=1 --gpus-per-node="${SQUAD_GPUS:-1}" --dependency="afterok:${job2}" \
+job3=$(submit --nodes=1 --gpus-per-node="${SQUAD_GPUS:-1}" --cpus-per-task="$((${SQUAD_GPUS:-1} * cpus))" \
+  --dependency="afterok:${job2}" \
   --export="ALL,RUN_DIR=${dir}/squad,GPUS_PER_NODE=${SQUAD_GPUS:-1}" launch/slurm.sbatch \
   "+recipe=bert_large_squad" "$(ckpt phase2)" "${squad_args[@]}")
 echo "submitted the $1/$2 chain: jobs ${job1} -> ${job2} -> ${job3} in ${dir}"

@@ -8,6 +8,7 @@ import errno
 import io
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +38,10 @@ def break_store(store: Path, code: int) -> None:
 class FaultOnce(SmallCNN):
     """SmallCNN that, at its ``at``-th training forward on rank ``rank``, does ``action`` once per marker:
     ``exit`` (``os._exit(1)``), ``kill`` (SIGKILL to itself), a signal name (``USR1``, ``USR2``, ``TERM``)
-    sent to itself, as a cluster would send it, after which it trains on; or ``store-ENOSPC`` /
-    ``store-EROFS`` (:func:`break_store` of ``store``), optionally followed by a signal
-    (``store-EROFS+TERM``)."""
+    sent to itself, as a cluster would send it, after which it trains on; ``hold``: wait (at most
+    :data:`HOLD_S` s) until the process has received a preemption signal from outside, so that the signal
+    finds the run mid-training however fast it trains; or ``store-ENOSPC`` / ``store-EROFS``
+    (:func:`break_store` of ``store``), optionally followed by a signal (``store-EROFS+TERM``)."""
 
     def __init__(
         self, marker: str, at: int, action: str, rank: int = 0, store: str = "", **kwargs: int
@@ -60,10 +62,28 @@ class FaultOnce(SmallCNN):
                     break_store(Path(self.store), getattr(errno, broken.removeprefix("store-")))
                 if action == "exit":
                     os._exit(1)
+                if action == "hold":
+                    _hold_until_signalled()
+                    return super().forward(x)
                 if action:
                     sig = signal.SIGKILL if action == "kill" else getattr(signal, f"SIG{action}")
                     os.kill(os.getpid(), sig)
         return super().forward(x)
+
+
+#: The longest a ``hold`` waits for its signal.
+HOLD_S = 300.0
+
+
+def _hold_until_signalled() -> None:
+    """Until the run's preemption handler (:class:`kfac_bench.launcher.signals.PreemptionFlag`) has recorded
+    a signal."""
+    deadline = time.monotonic() + HOLD_S
+    while time.monotonic() < deadline:
+        flag = getattr(signal.getsignal(signal.SIGUSR1), "__self__", None)
+        if getattr(flag, "signum", None) is not None:
+            return
+        time.sleep(0.05)
 
 
 def build_fault_once(

@@ -1,12 +1,12 @@
 """A user's ``--config-dir`` on the SLURM / multinode path, in each of Hydra's forms (``--config-dir DIR``,
 ``--config-dir=DIR``, ``-cd DIR``): ``launch/slurm.sbatch`` hands it to the agent unchanged, the agent's
-checks before any rank starts compose the user's recipe with it, and the ranks of a two-rank job (whose
-command line has ``hydra.run.dir=`` before the flag) train it; the finished job is not requeued."""
+checks before any rank starts compose the user's recipe with it, and a rank's command line (with
+``hydra.run.dir=`` before the flag) composes it too. A two-rank SLURM job that trains it is
+tests/harness/test_slurm.py's."""
 
 from __future__ import annotations
 
 import shlex
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,7 +15,7 @@ import yaml
 from kfac_bench.cli import main
 from kfac_bench.errors import ConfigError
 from kfac_bench.launcher.agent import _preflight
-from tests.harness.fault_util import sbatch, slurm_env, summary
+from tests.harness.fault_util import sbatch, slurm_env
 from tests.harness.util import TINY_SETTINGS, user_config_dir
 from tests.limits import hang_limit
 
@@ -97,30 +97,3 @@ def test_the_sbatch_script_hands_the_flag_to_the_agent_unchanged(
     tail = command[command.index("kfac_bench.cli") :]
     assert tail[1] == "train" and tail[2].startswith("hydra.run.dir=")
     assert tail[3:] == train_args
-
-
-@pytest.mark.distributed
-def test_a_two_rank_slurm_job_trains_the_users_recipe_with_config_dir_space_form(
-    user_dir: Path, tmp_path: Path
-) -> None:
-    e = slurm_env(tmp_path)  # one node with GPUS_PER_NODE=2: the agent starts two CPU ranks
-    job = sbatch(
-        tmp_path,
-        e,
-        "--config-dir",
-        str(user_dir),
-        *TINY_SETTINGS,
-        "+recipe=mine",
-        "kfac=none",
-        "train.epochs=1",
-    )
-    try:
-        _, err = job.communicate(timeout=hang_limit(180))
-    except subprocess.TimeoutExpired:
-        job.kill()
-        raise
-    assert job.returncode == 0, err[-3000:]
-    s = summary(tmp_path / "runs" / "slurm-4242")
-    assert s["name"] == "mine" and s["world_size"] == 2 and s["steps"] == 6
-    assert not s["kfac_enabled"] and s["status"] in ("success", "target_not_reached")
-    assert not (tmp_path / "scontrol.log").exists()  # a finished job is not requeued

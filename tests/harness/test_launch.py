@@ -1,7 +1,8 @@
 """The launch/ scripts: shell checks, and the multinode script's 2-process CPU job (gloo). The SLURM script's
-jobs are tests/harness/test_agent_config_dir.py's (a plain two-rank job, with a user's --config-dir) and
-test_faults_slurm.py's (preemption and requeue, crashes); launcher=torchrun's plain two-rank K-FAC job is
-tests/harness/test_faults_elastic.py's uninterrupted run."""
+jobs are tests/harness/test_slurm.py's, on a real SLURM (two-rank jobs, one with a user's --config-dir,
+two at once; preemption and requeue; a crashed rank; the BERT chain), and test_faults_slurm.py's under fake
+srun and scontrol; launcher=torchrun's plain two-rank K-FAC job is tests/harness/test_faults_elastic.py's
+uninterrupted run."""
 
 from __future__ import annotations
 

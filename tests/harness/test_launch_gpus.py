@@ -66,9 +66,12 @@ def test_the_bert_chain_requests_gpus_for_every_job(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     options = [_options(c)[0] for c in calls]
     assert [o["gpus-per-node"] for o in options] == ["4", "4", "1"]
+    # and CPUs for every rank and its 4 DataLoader workers
+    assert [o["cpus-per-task"] for o in options] == ["20", "20", "5"]
     (tmp_path / "default").mkdir()
     result, calls = _chain(tmp_path / "default", "lamb", "lamb")
     assert [_options(c)[0]["gpus-per-node"] for c in calls] == ["8", "8", "1"]
+    assert [_options(c)[0]["cpus-per-task"] for c in calls] == ["40", "40", "5"]
 
 
 @pytest.mark.parametrize(

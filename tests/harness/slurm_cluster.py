@@ -1,0 +1,224 @@
+"""A single-node SLURM for the ``slurm`` tests: munged, slurmctld and slurmd on this machine, configured here.
+
+Debian's ``slurm-wlm`` and ``munge`` packages (``.ci/slurm-install`` installs them, as root) with a
+``slurm.conf`` of its own under :data:`HOME` (clients find it through ``SLURM_CONF``; no system file is
+touched): one node with this machine's CPUs and memory (``slurmd -C``), one partition, ``select/cons_tres``
+with cores and memory as consumable resources (each core shared by up to 4 jobs, so that the tests' jobs,
+submitted together, run together), ``proctrack/linuxproc`` (no cgroup set-up needed in a
+container), no accounting, and short timers so that requeues, dependencies and kills take seconds. Ports
+16817/16818 keep clear of a site's own SLURM.
+
+``python -m tests.harness.slurm_cluster up|down|status`` starts (or finds running), stops, or reports it; the
+tests' session fixture (tests/harness/test_slurm.py) does ``up`` and, when it started the daemons itself,
+``down`` at its end. ``up`` is idempotent: daemons already answering are reused, stale pid files and dead
+daemons are replaced.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+#: Where the configuration, state, spool, pid files and logs live (the same for every run: reusable).
+HOME = Path(os.environ.get("KFAC_BENCH_SLURM_HOME", "/tmp/kfac-bench-slurm"))
+CONF = HOME / "slurm.conf"
+PARTITION = "kfacbench"
+DAEMONS = ("munged", "slurmctld", "slurmd")
+MUNGE_SOCKET = HOME / "munge" / "munge.socket.2"
+
+
+def missing() -> str | None:
+    """Why this machine cannot run the cluster (one line), or None."""
+    for tool in ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue"):
+        if shutil.which(tool) is None and not Path("/usr/sbin", tool).exists():
+            return f"SLURM not installed ({tool} not found; as root: .ci/slurm-install)"
+    if os.geteuid() != 0 and not _answers():
+        return "SLURM daemons not running and this user cannot start them (run the tests as root)"
+    return None
+
+
+def _tool(name: str) -> str:
+    return shutil.which(name) or str(Path("/usr/sbin", name))
+
+
+def env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment) with the cluster's client settings."""
+    e = dict(os.environ if base is None else base)
+    e["SLURM_CONF"] = str(CONF)
+    return e
+
+
+def _node() -> tuple[str, int, int]:
+    """(node name, CPUs, memory in MB) of this machine, as slurmd sees it."""
+    out = subprocess.run([_tool("slurmd"), "-C"], capture_output=True, text=True, check=True).stdout
+    fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+    return socket.gethostname().split(".")[0], int(fields["CPUs"]), int(fields["RealMemory"])
+
+
+def config() -> str:
+    name, cpus, memory = _node()
+    memory = max(memory - 1024, 512)  # leave the OS some room below what slurmd reports
+    return f"""\
+ClusterName=kfacbench
+SlurmctldHost={name}(127.0.0.1)
+SlurmctldPort=16817
+SlurmdPort=16818
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={MUNGE_SOCKET}
+CredType=cred/munge
+StateSaveLocation={HOME}/state
+SlurmdSpoolDir={HOME}/spool
+SlurmctldPidFile={HOME}/slurmctld.pid
+SlurmdPidFile={HOME}/slurmd.pid
+SlurmctldLogFile={HOME}/slurmctld.log
+SlurmdLogFile={HOME}/slurmd.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+ReturnToService=2
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=1,bf_interval=1,sched_min_interval=100000
+MessageTimeout=10
+KillWait=5
+InactiveLimit=0
+MinJobAge=600
+SlurmctldTimeout=30
+SlurmdTimeout=30
+JobRequeue=1
+NodeName={name} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory} State=UNKNOWN
+PartitionName={PARTITION} Nodes={name} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+"""
+
+
+def _pid(name: str) -> int | None:
+    path = HOME / f"{name}.pid"
+    try:
+        pid = int(path.read_text().split()[0])
+        os.kill(pid, 0)
+    except (OSError, ValueError, IndexError):
+        return None
+    comm = Path(f"/proc/{pid}/comm")
+    return pid if comm.exists() and comm.read_text().strip() == name else None
+
+
+def _answers() -> bool:
+    """Whether slurmctld answers and the node takes jobs."""
+    try:
+        out = subprocess.run(
+            [_tool("sinfo"), "-h", "-N", "-o", "%t"],
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=15,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    # idle, mix, alloc or comp (completing: a job ending); a suffix such as '*' (not responding) or a down,
+    # drained or invalid node is not taking jobs.
+    return out.returncode == 0 and out.stdout.strip() in ("idle", "mix", "alloc", "comp")
+
+
+def running() -> bool:
+    return all(_pid(d) for d in DAEMONS) and _answers()
+
+
+def _wait(what: str, ready: object, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            logs = "".join(
+                f"\n--- {p.name}:\n" + p.read_text()[-2000:] for p in sorted(HOME.glob("*.log"))
+            )
+            raise RuntimeError(f"SLURM: {what} not ready after {timeout:.0f} s{logs}")
+        time.sleep(0.2)
+
+
+def up() -> bool:
+    """Start whatever of the cluster is not running; True when this call started slurmctld (its caller
+    then owns the cluster and stops it with :func:`down`)."""
+    if running() and CONF.exists() and CONF.read_text() == config():
+        return False
+    down()
+    for d in ("state", "spool"):  # a fresh controller: no jobs or node states of an earlier cluster
+        shutil.rmtree(HOME / d, ignore_errors=True)
+    for d in ("state", "spool", "munge"):
+        (HOME / d).mkdir(parents=True, exist_ok=True)
+    CONF.write_text(config())
+    (HOME / "munge").chmod(0o755)
+    subprocess.run(
+        [
+            _tool("munged"),
+            "--force",
+            f"--socket={MUNGE_SOCKET}",
+            f"--pid-file={HOME / 'munged.pid'}",
+            f"--log-file={HOME / 'munged.log'}",
+            f"--seed-file={HOME / 'munge' / 'munged.seed'}",
+        ],
+        check=True,
+    )
+    _wait("munged", lambda: MUNGE_SOCKET.exists())
+    e = env()
+    subprocess.run([_tool("slurmctld"), "-f", str(CONF)], env=e, check=True)
+    subprocess.run([_tool("slurmd"), "-f", str(CONF)], env=e, check=True)
+    _wait("the node", _answers)
+    return True
+
+
+def down() -> None:
+    """Stop the cluster's daemons (those of :data:`HOME`'s pid files) and any job still running on it."""
+    if _pid("slurmctld"):
+        subprocess.run(
+            [_tool("scancel"), "--full", f"--partition={PARTITION}"],
+            env=env(),
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+    for name in reversed(DAEMONS):
+        pid = _pid(name)
+        if pid is None:
+            continue
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while _pid(name) == pid and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _pid(name) == pid:
+            os.kill(pid, signal.SIGKILL)
+
+
+def main(argv: list[str]) -> int:
+    command = argv[0] if argv else "status"
+    if command == "up":
+        why = missing()
+        if why:
+            print(f"slurm tests will be skipped: {why}")
+            return 0
+        print("SLURM started" if up() else "SLURM already running", f"(SLURM_CONF={CONF})")
+    elif command == "down":
+        down()
+    elif command == "status":
+        print("running" if running() else "not running", f"(SLURM_CONF={CONF})")
+        return 0 if running() else 1
+    else:
+        print("usage: python -m tests.harness.slurm_cluster up|down|status", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
