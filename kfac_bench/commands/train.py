@@ -129,9 +129,12 @@ def check_overrides(
 def _compose_checked(overrides: Sequence[str], config_dirs: Sequence[str] = ()) -> Any:
     from kfac_bench.config.bounds import validate_run
     from kfac_bench.config.compose import compose_run
+    from kfac_bench.launcher.rundir import check_run_dir_path
 
     cfg = compose_run(overrides, return_hydra_config=True, config_dirs=config_dirs)
     validate_run(cfg)
+    check_run_dir_path(str(cfg.hydra.run.dir))
+    check_run_dir_path(str(cfg.hydra.sweep.dir))
     return cfg
 
 
@@ -168,6 +171,7 @@ def main(args: Sequence[str]) -> int:
                 from kfac_bench.launcher.preflight import check_run
 
                 check_run(cfg)
+                _check_planted(cfg, overrides)  # before Hydra writes .hydra/ there
                 if not worker:
                     locked = _check_explicit_run_dir(cfg, overrides)
     except UserError as exc:
@@ -272,6 +276,16 @@ def _check_explicit_run_dir(cfg: Any, overrides: Sequence[str]) -> Path | None:
     return run_dir
 
 
+def _check_planted(cfg: Any, overrides: Sequence[str]) -> None:
+    """Refuse a ``hydra.run.dir`` given on the command line in which a name the run or Hydra writes
+    (``.hydra/config.yaml`` ...) is a symbolic link: Hydra would write through it. (A generated run
+    directory is new, with a random suffix.)"""
+    from kfac_bench.launcher import rundir
+
+    if any(o.startswith("hydra.run.dir=") for o in overrides):
+        rundir.check_planted(Path(str(cfg.hydra.run.dir)).resolve())
+
+
 def _job_part(cfg: Any) -> Any:
     """The run's own config (everything but ``hydra``)."""
     from omegaconf import OmegaConf
@@ -282,7 +296,7 @@ def _job_part(cfg: Any) -> Any:
 def _run_hydra(args: list[str], run_dir_from_rank_0: bool = False) -> int:
     import hydra
     from hydra.core.hydra_config import HydraConfig
-    from omegaconf import DictConfig
+    from omegaconf import DictConfig, OmegaConf
 
     from kfac_bench.config.compose import PRIMARY
     from kfac_bench.config.resolvers import register_resolvers
@@ -297,7 +311,9 @@ def _run_hydra(args: list[str], run_dir_from_rank_0: bool = False) -> int:
         # the resolvers before Hydra resolves the job's directory (${uid:}).
         register_resolvers()
         hc = HydraConfig.get()
-        run_dir = Path(hc.runtime.output_dir)
+        # The directory Hydra created, read as stored: Hydra saves the resolved path, in which a literal
+        # `${` of the user's path would be resolved a second time on access.
+        run_dir = Path(OmegaConf.to_container(hc.runtime, resolve=False)["output_dir"])  # type: ignore[index]
         # The ranks of launcher=torchrun compose the same config: the user's --config-dir goes with them.
         user_dirs = [
             f"--config-dir={src.path.removeprefix('file://')}"

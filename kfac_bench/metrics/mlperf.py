@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kfac_bench import safe_files
 from kfac_bench.metrics.sinks import json_safe
 
 __all__ = [
@@ -144,7 +146,7 @@ class MLPerfLog:
             logger = logging.getLogger(f"kfac_bench.mlperf.{id(self)}")
             logger.propagate = False
             logger.setLevel(logging.INFO)
-            self._handler = logging.FileHandler(self.path, delay=True)
+            self._handler = _NoFollowHandler(self.path)
             logger.addHandler(self._handler)
             self.log = MLLogger(logger=logger, default_stack_offset=2)
 
@@ -301,5 +303,25 @@ class MLPerfLog:
     def _flush_truncate(self, size: int) -> None:
         if self._handler is not None:
             self._handler.close()  # reopened (appending) by the next event
-        if self.path.is_file():
-            os.truncate(self.path, size)
+        if os.path.lexists(self.path):
+            fd = safe_files.open_in_place(self.path, create=False)  # never a planted link's target
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+
+
+class _NoFollowHandler(logging.FileHandler):
+    """Appends to the log file, opened at the first event through :func:`safe_files.open_in_place` (a
+    planted link is refused, its target never written)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, mode="a", encoding="utf-8", delay=True)
+
+    def _open(self) -> Any:
+        return os.fdopen(safe_files.open_in_place(self.baseFilename), "a", encoding="utf-8")
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if isinstance(sys.exc_info()[1], safe_files.LinkRefused):
+            raise  # the run stops with its one line (logging would print a traceback and go on)
+        super().handleError(record)

@@ -20,6 +20,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kfac_bench import safe_files
+
 __all__ = ["EVAL_FILE", "JsonlSink", "TensorBoardSink", "json_safe", "read_jsonl"]
 
 EVAL_FILE = "eval.jsonl"
@@ -46,9 +48,9 @@ class JsonlSink:
         self.path = Path(path)
 
     def write(self, record: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(json_safe(record), sort_keys=True, allow_nan=False) + "\n")
-            f.flush()
+        line = json.dumps(json_safe(record), sort_keys=True, allow_nan=False) + "\n"
+        with os.fdopen(safe_files.open_in_place(self.path), "w", encoding="utf-8") as f:
+            f.write(line)
 
     def truncate_after(self, step: int) -> int:
         """Keep only records of steps ``<= step``, one per step (the last written), and no cut-off line;
@@ -56,21 +58,20 @@ class JsonlSink:
         dropped."""
         if not self.path.is_file():
             return 0
-        lines = self.path.read_text().splitlines()
+        # Undecodable bytes and absurdly nested lines are not records (a crash's or someone else's).
+        lines = self.path.read_bytes().decode("utf-8", "replace").splitlines()
         by_step: dict[int, str] = {}
         for line in lines:
             try:
                 record = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue  # a line cut off by a crash
             at = record.get("step") if isinstance(record, dict) else None
             if isinstance(at, int) and at <= step:
                 by_step[at] = line
         kept = [by_step[k] for k in sorted(by_step)]
         if kept != lines:
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, self.path)
+            safe_files.write_atomic(self.path, "".join(line + "\n" for line in kept))
         return len(lines) - len(kept)
 
 
@@ -101,6 +102,7 @@ class TensorBoardSink:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
+            safe_files.ensure_dir(self.log_dir)
             self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=self.purge_step)
         return self._writer
 

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from kfac_bench import safe_files
 from kfac_bench.config import flat_config
 from kfac_bench.errors import UserError
 from kfac_bench.metrics.summary import arm_label
@@ -113,7 +114,7 @@ def _saved_id(run_dir: Path, key: str) -> str | None:
 
 
 def _save_id(run_dir: Path, key: str, value: str) -> None:
-    (run_dir / TRACKER_FILE).write_text(json.dumps({key: value}) + "\n")
+    safe_files.write_atomic(run_dir / TRACKER_FILE, json.dumps({key: value}) + "\n")
 
 
 class MLflowTracker:
