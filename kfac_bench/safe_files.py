@@ -20,6 +20,7 @@ and are not checked.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -59,6 +60,25 @@ def _describe(path: Path) -> str:
     if stat.S_ISDIR(st.st_mode):
         return "a directory"
     return "not a regular file"
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (``/proc``; 0o022 where that is missing)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def _new_temp(folder: Path | str, name: str) -> tuple[int, Path]:
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+    with contextlib.suppress(OSError):  # as open() would create it (mkstemp makes it 0600)
+        os.fchmod(fd, 0o666 & ~_umask())
+    return fd, Path(tmp)
 
 
 def refusal(path: Path | str) -> LinkRefused:
@@ -102,7 +122,7 @@ def write_atomic(path: Path | str, data: bytes | str, *, fsync: bool = False) ->
     check_not_link(path)
     if isinstance(data, str):
         data = data.encode("utf-8")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = _new_temp(path.parent, path.name)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -119,8 +139,7 @@ def write_atomic(path: Path | str, data: bytes | str, *, fsync: bool = False) ->
 def temp_file(folder: Path | str, name: str) -> tuple[int, Path]:
     """(open descriptor, path) of a new, empty file in ``folder`` with an unpredictable name starting
     ``.NAME.`` and ending ``.tmp``, for a writer that streams into it and renames it into place."""
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
-    return fd, Path(tmp)
+    return _new_temp(folder, name)
 
 
 def open_in_place(path: Path | str, *, append: bool = True, create: bool = True) -> int:

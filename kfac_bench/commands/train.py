@@ -328,6 +328,21 @@ def _run_hydra(args: list[str], run_dir_from_rank_0: bool = False) -> int:
             if not _secondary_rank():
                 print(f"kfac-bench: error: {exc}", file=sys.stderr, flush=True)
             statuses.append(exc.exit_code)
+        except RuntimeError as exc:
+            from kfac_bench.launcher.distributed import detect, lost_peer
+
+            reason = lost_peer(exc)
+            if reason is None:
+                raise
+            # Not a user error: exit 1, so that torchrun restarts the ranks from the last checkpoint.
+            print(
+                f"kfac-bench: error: rank {detect().rank} lost another rank mid-collective ({reason}): "
+                "it died or was killed; the ranks restart from the last checkpoint if "
+                "launcher.max_restarts allows, else run the same command again to resume",
+                file=sys.stderr,
+                flush=True,
+            )
+            statuses.append(1)
         except OSError as exc:
             if exc.errno not in _DISK_ERRNOS:
                 raise

@@ -264,10 +264,22 @@ def check_config(run_dir: Path, cfg: DictConfig | Mapping[str, Any]) -> None:
     """Stop if ``run_dir`` records a run with another config.
 
     Raises:
-        ConfigError: one line naming the differing keys (recorded -> now).
+        ConfigError: one line naming the differing keys (recorded -> now); or the directory holds
+            checkpoints without a recorded config and the run would resume from them.
     """
     path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
+        resume = (
+            OmegaConf.select(cfg, "train.resume", default=True)
+            if isinstance(cfg, DictConfig)
+            else ((cfg.get("train") or {}).get("resume", True))
+        )
+        if resume and _holds_checkpoints(Path(run_dir)):
+            raise ConfigError(
+                f"run dir {Path(run_dir).resolve()} holds checkpoints but no {CONFIG_FILE}: the config "
+                "they were trained with is unknown, so a resume could mix two configs. Restore "
+                f"{path}, or start the run over with train.resume=false, or choose another hydra.run.dir"
+            )
         return
     try:
         recorded = yaml.safe_load(path.read_bytes().decode("utf-8"))
@@ -285,6 +297,11 @@ def check_config(run_dir: Path, cfg: DictConfig | Mapping[str, Any]) -> None:
         f"run dir {Path(run_dir).resolve()} holds a run with another config: {shown}{more}; resume with "
         f"the values in {path} or choose another hydra.run.dir"
     )
+
+
+def _holds_checkpoints(run_dir: Path) -> bool:
+    folder = run_dir / "checkpoints"
+    return any(next(folder.glob(pattern), None) is not None for pattern in ("step-*", "last.pt"))
 
 
 def record_config(run_dir: Path, cfg: DictConfig) -> None:

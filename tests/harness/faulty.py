@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -15,7 +16,8 @@ from kfac_bench.models.small_cnn import SmallCNN
 class FaultOnce(SmallCNN):
     """SmallCNN that, at its ``at``-th training forward on rank ``rank``, does ``action`` once per marker:
     ``exit`` (``os._exit(1)``), ``kill`` (SIGKILL to itself) or a signal name (``USR1``, ``USR2``,
-    ``TERM``) sent to itself, as a cluster would send it, after which it trains on."""
+    ``TERM``) sent to itself, as a cluster would send it, after which it trains on; ``kill_in_save``:
+    SIGKILL to itself in the first checkpoint save after that forward (while the other ranks save too)."""
 
     def __init__(self, marker: str, at: int, action: str, rank: int = 0, **kwargs: int) -> None:
         super().__init__(**kwargs)
@@ -25,7 +27,7 @@ class FaultOnce(SmallCNN):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and int(os.environ.get("RANK", "0")) == self.rank:
             self.calls += 1
-            if self.calls == self.at and not self.marker.exists():
+            if self.calls == self.at and not self.marker.exists() and self.action != "kill_in_save":
                 self.marker.write_text(self.action)
                 if self.action == "exit":
                     os._exit(1)
@@ -36,6 +38,13 @@ class FaultOnce(SmallCNN):
                 )
                 os.kill(os.getpid(), sig)
         return super().forward(x)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        due = self.action == "kill_in_save" and self.calls >= self.at
+        if due and int(os.environ.get("RANK", "0")) == self.rank and not self.marker.exists():
+            self.marker.write_text(self.action)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().state_dict(*args, **kwargs)
 
 
 def build_fault_once(
