@@ -55,8 +55,8 @@ def _describe(path: Path) -> str:
         st = os.lstat(path)
     except OSError:
         return "not a regular file"
-    if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-        return f"a file with {st.st_nlink} hard links"
+    if stat.S_ISREG(st.st_mode):
+        return f"a file with {st.st_nlink} hard links" if st.st_nlink > 1 else "a regular file"
     if stat.S_ISDIR(st.st_mode):
         return "a directory"
     return "not a regular file"
@@ -103,7 +103,8 @@ def ensure_dir(path: Path | str) -> Path:
         LinkRefused: ``path`` is a symbolic link or not a folder.
     """
     path = Path(path)
-    check_not_link(path)
+    if os.path.lexists(path) and (os.path.islink(path) or not path.is_dir()):
+        raise refusal(path)
     path.mkdir(parents=True, exist_ok=True)
     if os.path.islink(path) or not path.is_dir():
         raise refusal(path)

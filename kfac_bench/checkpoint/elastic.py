@@ -69,7 +69,7 @@ def read_world(run_dir: Path) -> World | None:
     try:
         data = json.loads((Path(run_dir) / WORLD_FILE).read_text())
         return World(int(data["world_size"]), int(data["global_batch"]), int(data["batch_size"]))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return None
 
 

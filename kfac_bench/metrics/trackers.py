@@ -108,7 +108,7 @@ def _arm(config: Mapping[str, Any]) -> str:
 def _saved_id(run_dir: Path, key: str) -> str | None:
     try:
         value = json.loads((run_dir / TRACKER_FILE).read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return None
     return value if isinstance(value, str) else None
 
