@@ -58,19 +58,19 @@ class JsonlSink:
         dropped."""
         if not self.path.is_file():
             return 0
-        # Undecodable bytes and absurdly nested lines are not records (a crash's or someone else's).
-        lines = self.path.read_bytes().decode("utf-8", "replace").splitlines()
+        lines = self.path.read_bytes().splitlines()
         by_step: dict[int, str] = {}
-        for line in lines:
+        for raw in lines:
             try:
+                line = raw.decode("utf-8")
                 record = json.loads(line)
             except (ValueError, RecursionError):
-                continue  # a line cut off by a crash
+                continue  # a line cut off by a crash (or not a record: undecodable, absurdly nested)
             at = record.get("step") if isinstance(record, dict) else None
             if isinstance(at, int) and at <= step:
                 by_step[at] = line
         kept = [by_step[k] for k in sorted(by_step)]
-        if kept != lines:
+        if [line.encode("utf-8") for line in kept] != lines:
             safe_files.write_atomic(self.path, "".join(line + "\n" for line in kept))
         return len(lines) - len(kept)
 
