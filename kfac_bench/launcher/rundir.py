@@ -300,8 +300,11 @@ def check_config(run_dir: Path, cfg: DictConfig | Mapping[str, Any]) -> None:
 
 
 def _holds_checkpoints(run_dir: Path) -> bool:
+    """Whether a resume would read a checkpoint here (a manifest, or a legacy ``last.pt``)."""
     folder = run_dir / "checkpoints"
-    return any(next(folder.glob(pattern), None) is not None for pattern in ("step-*", "last.pt"))
+    return any(
+        next(folder.glob(pattern), None) is not None for pattern in ("step-*.json", "last.pt")
+    )
 
 
 def record_config(run_dir: Path, cfg: DictConfig) -> None:
@@ -310,7 +313,8 @@ def record_config(run_dir: Path, cfg: DictConfig) -> None:
 
 
 def claim(run_dir: Path, cfg: DictConfig) -> None:
-    """Make ``run_dir`` this run's: take the lock, check that the run there did not diverge and that the
+    """Make ``run_dir`` this run's: take the lock, check that no name it writes is a planted link and that
+    ``checkpoints/`` holds only the run's own checkpoints, that the run there did not diverge and that the
     config is the recorded one, remove temporary files a killed writer left, record the config, and remove
     an earlier attempt's preemption marker.
 
@@ -321,6 +325,9 @@ def claim(run_dir: Path, cfg: DictConfig) -> None:
     lock(run_dir)
     try:
         check_planted(run_dir)
+        from kfac_bench.checkpoint.files import check_folder
+
+        check_folder(Path(run_dir) / "checkpoints")  # one the run did not write: before any work
         if OmegaConf.select(cfg, "train.resume", default=True):
             check_not_diverged(run_dir)
         else:

@@ -67,7 +67,7 @@ def test_eval_jsonl_lines_that_are_no_records_are_dropped_on_resume(tmp_path: Pa
 
 def test_checkpoints_without_a_recorded_config_are_not_resumed(tmp_path: Path) -> None:
     (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "step-00000006.pt").write_bytes(b"x")
+    (tmp_path / "checkpoints" / "step-00000006.json").write_bytes(b"{}")
     with pytest.raises(ConfigError) as info:
         rundir.check_config(tmp_path, tiny_cfg("optimizer.lr=0.5"))
     assert str(info.value) == (
