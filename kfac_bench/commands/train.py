@@ -313,7 +313,9 @@ def _run_hydra(args: list[str], run_dir_from_rank_0: bool = False) -> int:
         hc = HydraConfig.get()
         # The directory Hydra created, read as stored: Hydra saves the resolved path, in which a literal
         # `${` of the user's path would be resolved a second time on access.
-        run_dir = Path(OmegaConf.to_container(hc.runtime, resolve=False)["output_dir"])  # type: ignore[index]
+        runtime = OmegaConf.to_container(hc.runtime, resolve=False)
+        assert isinstance(runtime, dict)
+        run_dir = Path(str(runtime["output_dir"]))
         # The ranks of launcher=torchrun compose the same config: the user's --config-dir goes with them.
         user_dirs = [
             f"--config-dir={src.path.removeprefix('file://')}"

@@ -158,6 +158,10 @@ def validate_run(cfg: Any) -> None:
     check_run_values(cfg)
 
 
+def _get(node: Any, key: str) -> Any:
+    return node.get(key) if hasattr(node, "get") else None
+
+
 def _finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -170,7 +174,7 @@ def check_run_values(cfg: Any) -> None:
     Raises:
         ConfigError: the first bad value, as one line.
     """
-    name = cfg.get("name") if hasattr(cfg, "get") else None
+    name = _get(cfg, "name")
     if name is not None:
         text = str(name)
         if not text or text in (".", "..") or "/" in text or "\\" in text or "\0" in text:
@@ -178,18 +182,16 @@ def check_run_values(cfg: Any) -> None:
                 f"invalid value name={text!r}: a run's name becomes part of its directory name; use "
                 "letters, digits, '-', '_' or '.' (no '/' and not '..')"
             )
-    train = cfg.get("train") if hasattr(cfg, "get") else None
-    targets = train.get("targets") if hasattr(train, "get") else None
+    targets = _get(_get(cfg, "train"), "targets")
     for metric, value in (targets or {}).items():
         if not _finite_number(value):
             raise ConfigError(
                 f"invalid value train.targets.{metric}={value}: a target must be a finite number"
             )
-    schedule = cfg.get("lr_schedule") if hasattr(cfg, "get") else None
-    milestones = schedule.get("milestones") if hasattr(schedule, "get") else None
-    for value in milestones or ():
+    milestones = list(_get(_get(cfg, "lr_schedule"), "milestones") or ())
+    for value in milestones:
         if not _finite_number(value) or value < 0:
             raise ConfigError(
-                f"invalid value lr_schedule.milestones={list(milestones)}: milestones must be finite "
+                f"invalid value lr_schedule.milestones={milestones}: milestones must be finite "
                 "numbers >= 0 (in lr_schedule.unit)"
             )

@@ -113,9 +113,9 @@ def _train(
         )
     kept = from_main(_finished_summary(run_dir, loop) if env.is_main and resumed else None)
     if kept is not None:  # a finished run started again: nothing to train, nothing to rewrite
-        status = str(kept["status"])
-        run.recorder.close(status)
-        run.recorder.finish(None, status)
+        ended = str(kept["status"])
+        run.recorder.close(ended)
+        run.recorder.finish(None, ended)
         if env.is_main:
             print(
                 f"kfac-bench: run dir {run_dir} holds a finished run (step {state.step}): nothing to "
@@ -123,7 +123,7 @@ def _train(
                 flush=True,
             )
             print(summary.report_line(kept, run_dir), flush=True)
-        return status
+        return ended
     moved = resumed and run.world.world_size != env.world_size
     if not resumed and init_from is not None:
         started = warm_start.start_from(init_from, loop.module, loop.optimizer, loop.precond)
