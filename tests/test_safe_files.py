@@ -34,6 +34,7 @@ def _mlperf(run: Path) -> None:
 def _mlperf_resumed(run: Path) -> None:
     log = MLPerfLog(run / "mlperf.log", RunFacts("resnet", primary="top1"))
     log.load_state_dict({"bytes": 3, "anchor_ms": 1.0, "stopped": False, "in_block": False})
+    log.begin(5.0, resumed=True)
 
 
 def _squad(run: Path) -> None:

@@ -183,6 +183,9 @@ class MLPerfLog:
         if not self.enabled:
             return
         if resumed and self._restored_bytes is not None:
+            self._flush_truncate(
+                self._restored_bytes
+            )  # what the lost work logged after the checkpoint
             if not self.stopped:  # after run_stop the MLPerf run is over: nothing more to mark
                 unix_ms = int(time.time() * 1e3)
                 value = {"step": step, **(world or {})}
@@ -288,7 +291,8 @@ class MLPerfLog:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the log as of the checkpoint: cut the file back to its length then (rank 0)."""
+        """Restore the log as of the checkpoint: :meth:`begin` cuts the file back to its length then (rank
+        0), when the resumed run starts training (a finished run started again leaves it whole)."""
         self.anchor_ms, self.stopped = state["anchor_ms"], bool(state["stopped"])
         self.in_block = bool(state["in_block"])
         size = state["bytes"]
@@ -297,7 +301,6 @@ class MLPerfLog:
             return
         if not self.path.is_file() or self.path.stat().st_size < size:
             return  # the log is gone or shorter: begin() starts it again on the same clock
-        self._flush_truncate(size)
         self._restored_bytes = size
 
     def _flush_truncate(self, size: int) -> None:

@@ -114,8 +114,7 @@ def _train(
     kept = from_main(_finished_summary(run_dir, loop) if env.is_main and resumed else None)
     if kept is not None:  # a finished run started again: nothing to train, nothing to rewrite
         ended = str(kept["status"])
-        run.recorder.close(ended)
-        run.recorder.finish(None, ended)
+        run.recorder.leave(ended)
         if env.is_main:
             print(
                 f"kfac-bench: run dir {run_dir} holds a finished run (step {state.step}): nothing to "

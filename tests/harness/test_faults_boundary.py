@@ -18,13 +18,15 @@ from tests.harness.util import TINY, run_cli
 pytestmark = pytest.mark.slow
 
 VICTIM = b"the job user's own file\n"
+#: TINY posing as MLPerf's ResNet benchmark, so that the run writes mlperf.log too.
+ARGS = [*TINY, "train.benchmark_name=resnet", "hydra.run.dir=run"]
 
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished TINY run (2 epochs of 6 steps; checkpoints at steps 6 and 12), to copy from."""
+    """A finished run of :data:`ARGS` (2 epochs of 6 steps; checkpoints at steps 6 and 12), to copy."""
     root = tmp_path_factory.mktemp("finished")
-    result = run_cli("train", *TINY, "hydra.run.dir=run", cwd=root)
+    result = run_cli("train", *ARGS, cwd=root)
     assert result.returncode == 0, result.stderr[-3000:]
     return root / "run"
 
@@ -105,9 +107,7 @@ def test_a_resume_without_the_recorded_config_is_refused(finished: Path, tmp_pat
     run_dir = _copy(finished, tmp_path)
     (run_dir / "config.yaml").unlink()
     before = snapshot(run_dir)
-    result = run_cli(
-        "train", *TINY, "optimizer.lr=0.5", "train.epochs=3", "hydra.run.dir=run", cwd=tmp_path
-    )
+    result = run_cli("train", *ARGS, "optimizer.lr=0.5", "train.epochs=3", cwd=tmp_path)
     assert result.returncode == 2
     line = one_error_line(result.stderr)
     assert f"run dir {run_dir} holds checkpoints but no config.yaml" in line
@@ -118,11 +118,14 @@ def test_a_resume_without_the_recorded_config_is_refused(finished: Path, tmp_pat
 def test_a_finished_run_started_again_is_not_rewritten(finished: Path, tmp_path: Path) -> None:
     run_dir = _copy(finished, tmp_path)
     before = {k: v for k, v in snapshot(run_dir).items() if not k.startswith(".hydra")}
-    result = run_cli("train", *TINY, "hydra.run.dir=run", cwd=tmp_path)
+    assert "mlperf.log" in before
+    result = run_cli("train", *ARGS, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"run dir {run_dir} holds a finished run (step 12): nothing to train" in result.stdout
     after = {k: v for k, v in snapshot(run_dir).items() if not k.startswith(".hydra")}
-    assert after == before  # summary.json (wall_time_s), eval.jsonl and checkpoints as they were
+    assert (
+        after == before
+    )  # summary.json (wall_time_s), eval.jsonl, mlperf.log, checkpoints as they were
 
 
 def test_corrupt_run_dir_files_fall_back_on_resume(finished: Path, tmp_path: Path) -> None:
@@ -131,7 +134,7 @@ def test_corrupt_run_dir_files_fall_back_on_resume(finished: Path, tmp_path: Pat
     manifest.write_text(manifest.read_text().replace('"seq": ', '"seq": "abc", "was": '))
     with (run_dir / "eval.jsonl").open("ab") as f:
         f.write(b'{"step": 13, "x": "\xff\xfe"}\n' + b"[" * 100_000 + b"]" * 100_000 + b"\n")
-    result = run_cli("train", *TINY, "train.epochs=3", "hydra.run.dir=run", cwd=tmp_path)
+    result = run_cli("train", *ARGS, "train.epochs=3", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     warning = [line for line in result.stderr.splitlines() if "warning" in line]
     assert len(warning) == 1 and "step-00000012.pt (unreadable manifest)" in warning[0]
