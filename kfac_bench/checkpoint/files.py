@@ -357,8 +357,9 @@ def write_checkpoint(folder: Path, payload: dict[str, Any], step: int, keep: int
 
 
 def _undo(manifest_written: bool, manifest_path: Path, path: Path) -> None:
-    """A save failed after its manifest was written: without the new file the manifest would promise
-    one (an earlier save's file of the same step is gone with it: its manifest was replaced)."""
+    """A save failed after its manifest was written but before its file was in place: the manifest goes
+    too. (Where an earlier save of the same step is still in place, its manifest was replaced: a resume
+    rejects that file and falls back to the checkpoint before it.)"""
     if manifest_written and not path.exists():
         manifest_path.unlink(missing_ok=True)
 
