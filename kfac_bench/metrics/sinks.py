@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,12 @@ class TensorBoardSink:
             from torch.utils.tensorboard import SummaryWriter
 
             safe_files.ensure_dir(self.log_dir)
-            self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=self.purge_step)
+            # A random suffix: the event file's name (time, host, pid) cannot be planted as a link first.
+            self._writer = SummaryWriter(
+                log_dir=str(self.log_dir),
+                purge_step=self.purge_step,
+                filename_suffix=f".{secrets.token_hex(8)}",
+            )
         return self._writer
 
     def scalars(self, values: dict[str, float], step: int) -> None:
