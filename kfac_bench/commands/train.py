@@ -127,14 +127,21 @@ def check_overrides(
 
 
 def _compose_checked(overrides: Sequence[str], config_dirs: Sequence[str] = ()) -> Any:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
     from kfac_bench.config.bounds import validate_run
     from kfac_bench.config.compose import compose_run
     from kfac_bench.launcher.rundir import check_run_dir_path
 
     cfg = compose_run(overrides, return_hydra_config=True, config_dirs=config_dirs)
     validate_run(cfg)
-    check_run_dir_path(str(cfg.hydra.run.dir))
-    check_run_dir_path(str(cfg.hydra.sweep.dir))
+    for key in ("hydra.run.dir", "hydra.sweep.dir"):
+        try:
+            path = str(OmegaConf.select(cfg, key))
+        except OmegaConfBaseException:
+            continue  # resolved only in the job (e.g. ${hydra.job.num}): Hydra's to report
+        check_run_dir_path(path)
     return cfg
 
 
