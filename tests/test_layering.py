@@ -24,6 +24,7 @@ LAYER = {
     "kfac": 0,
     "errors": 0,
     "consensus": 0,  # from_main: a value as rank 0 has it (torch.distributed only)
+    "safe_files": 0,  # writing inside a run directory without following links (standard library only)
     "config": 1,
     "data": 1,
     "models": 1,

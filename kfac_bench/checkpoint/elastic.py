@@ -27,11 +27,11 @@ when it resumes from a checkpoint, and checked against the checkpoint's own reco
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kfac_bench import safe_files
 from kfac_bench.errors import ConfigError
 
 __all__ = [
@@ -69,19 +69,15 @@ def read_world(run_dir: Path) -> World | None:
     try:
         data = json.loads((Path(run_dir) / WORLD_FILE).read_text())
         return World(int(data["world_size"]), int(data["global_batch"]), int(data["batch_size"]))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return None
 
 
 def record_world(run_dir: Path, world: World) -> None:
     """Write ``world.json`` atomically."""
-    path = Path(run_dir) / WORLD_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(world.__dict__, sort_keys=True) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    safe_files.write_atomic(
+        Path(run_dir) / WORLD_FILE, json.dumps(world.__dict__, sort_keys=True) + "\n"
+    )
 
 
 def _has_checkpoint(run_dir: Path) -> bool:

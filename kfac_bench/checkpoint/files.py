@@ -3,7 +3,8 @@
 Layout of ``<run dir>/checkpoints/``::
 
     step-00000440.pt      torch.save of one checkpoint, taken after optimizer step 440
-    step-00000440.json    its manifest, written after the file: {"file", "step", "seq", "bytes", "sha256"}
+    step-00000440.json    its manifest, written before the file is renamed into place: {"file", "step",
+                          "seq", "bytes", "sha256"}
     last.pt               the newest checkpoint (a hard link to its step file, else a symlink), for tools
                           that take a path (BERT phase 2's ``model.init_checkpoint``)
 
@@ -11,10 +12,13 @@ A checkpoint is *good* when its file has the size and SHA-256 its manifest recor
 :func:`kfac_bench.checkpoint.torchfile.load` reads it as data (tensors and plain containers: a file whose
 pickle names code is refused, never loaded). Checkpoints are ordered by ``seq`` (a save counter), not by step,
 so a run restarted from an older checkpoint never mistakes an abandoned later one for its newest. Each write
-goes to a temporary file in the same folder, is fsynced and renamed; the manifest follows the same way; only
-then are checkpoints beyond the newest K deleted, so a failed write (disk full, read-only folder) leaves every
-earlier checkpoint intact. A folder from before manifests (a lone ``last.pt``) is read as one unverified
-checkpoint.
+goes to a temporary file in the same folder (an unpredictable name: :mod:`kfac_bench.safe_files`), is
+fsynced; its manifest is written (the same way), then the file is renamed into place; only then are
+checkpoints beyond the newest K deleted, so a failed write (disk full, read-only folder) leaves every earlier
+checkpoint intact. A ``step-*.pt`` without a manifest is therefore not the run's own: it is never loaded,
+overwritten or deleted, and the run stops with one line saying how to move it. A folder that is a link is
+refused (pruning would delete files elsewhere). A folder from before manifests (a lone ``last.pt``) is read
+as one unverified checkpoint.
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ import io
 import json
 import os
 import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kfac_bench import safe_files
 from kfac_bench.checkpoint import torchfile
 from kfac_bench.errors import UserError
 
@@ -39,15 +45,19 @@ __all__ = [
     "Candidate",
     "NoGoodCheckpoint",
     "candidates",
+    "check_folder",
     "load_newest_good",
     "quarantine",
     "remove_orphans",
+    "unclaimed",
     "write_checkpoint",
 ]
 
 LAST = "last.pt"
 _STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
 _CHUNK = 1 << 20
+_MAX_MANIFEST = 1 << 16
+_MISSING = "its file is missing"
 
 
 class NoGoodCheckpoint(UserError):
@@ -68,12 +78,23 @@ class Candidate:
 
 
 def _read_manifest(path: Path) -> dict[str, Any] | None:
+    """The manifest at ``path``, or None if it is unreadable or not one this module writes (a field of
+    the wrong type, a non-integer ``seq``, another file's name, absurd nesting)."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        if path.is_symlink() or path.stat().st_size > _MAX_MANIFEST:
+            return None
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
         return None
-    keys = {"file", "step", "seq", "bytes", "sha256"}
-    return data if isinstance(data, dict) and keys <= set(data) else None
+    if not isinstance(data, dict):
+        return None
+    ints = [data.get(k) for k in ("step", "seq", "bytes")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
+        return None
+    digest = data.get("sha256")
+    if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+        return None
+    return data if data.get("file") == path.with_suffix(".pt").name else None
 
 
 def candidates(folder: Path) -> tuple[list[Candidate], list[Path]]:
@@ -111,7 +132,7 @@ def _problem(candidate: Candidate) -> str | None:
     try:
         size = path.stat().st_size
     except FileNotFoundError:
-        return "its file is missing"
+        return _MISSING
     if size != manifest["bytes"]:
         return f"{size} bytes, its manifest says {manifest['bytes']}"
     if _sha256(path) != manifest["sha256"]:
@@ -155,8 +176,8 @@ def load_newest_good(
                     return payload, candidate, rejected
                 problem = f"holds a {type(payload).__name__}, not a checkpoint"
         rejected.append((candidate, problem))
-    if not rejected:
-        return None
+    if all(why == _MISSING for _, why in rejected):
+        return None  # only saves interrupted before their file was in place: nothing to resume
     listed = "; ".join(f"{c.path} ({why})" for c, why in rejected)
     raise NoGoodCheckpoint(
         f"no usable checkpoint to resume from: {listed}. Restore a good copy, or move the "
@@ -220,22 +241,10 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with tmp.open("w") as f:
-            f.write(json.dumps(data, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _point_last(folder: Path, target: Path) -> None:
-    """Make ``last.pt`` the file ``target`` (hard link; a relative symlink where links are refused)."""
-    tmp = folder / f".{LAST}.{os.getpid()}.tmp"
-    tmp.unlink(missing_ok=True)
+    """Make ``last.pt`` the file ``target`` (hard link; a relative symlink where links are refused), under a
+    temporary name no one can predict, renamed into place."""
+    tmp = folder / f".{LAST}.{secrets.token_hex(8)}.tmp"
     try:
         os.link(target, tmp)
     except OSError:
@@ -243,40 +252,78 @@ def _point_last(folder: Path, target: Path) -> None:
     os.replace(tmp, folder / LAST)
 
 
+def unclaimed(folder: Path) -> list[Path]:
+    """``step-*.pt`` files of ``folder`` without a manifest: this module writes a manifest before the file,
+    so these are not the run's own (copied in, or another program's); they are never overwritten, deleted
+    or loaded."""
+    return sorted(
+        p
+        for p in Path(folder).glob("step-*.pt")
+        if _STEP_FILE.match(p.name) and not os.path.lexists(p.with_suffix(".json"))
+    )
+
+
+def unclaimed_error(path: Path) -> UserError:
+    """One line for a ``step-*.pt`` the run did not write (:func:`unclaimed`)."""
+    return UserError(
+        f"checkpoint {path} has no manifest, so this run did not write it: it is neither loaded nor "
+        f"overwritten. Move it out of {path.parent} (to start a run from its weights, pass "
+        "train.init_from=PATH), then run the same command again"
+    )
+
+
+def check_folder(folder: Path) -> None:
+    """Refuse a checkpoint folder that is a link (pruning would delete files elsewhere) or that holds a
+    checkpoint the run did not write.
+
+    Raises:
+        UserError: one line naming the path.
+    """
+    safe_files.check_not_link(folder)
+    if Path(folder).is_dir():
+        strangers = unclaimed(folder)
+        if strangers:
+            raise unclaimed_error(strangers[0])
+
+
 def _prune(folder: Path, keep: int) -> None:
+    """Delete the checkpoints beyond the newest ``keep``: only files with a manifest (the run's own)."""
     found, _ = candidates(folder)
-    kept = {c.path.name for c in [c for c in found if c.manifest is not None][:keep]}
-    for candidate in found:
-        if candidate.manifest is not None and candidate.path.name not in kept:
-            candidate.manifest_path.unlink(missing_ok=True)
-            candidate.path.unlink(missing_ok=True)
-    for path in folder.glob("step-*.pt"):  # files whose manifest never got written
-        if _STEP_FILE.match(path.name) and path.name not in kept:
-            path.unlink(missing_ok=True)
+    for candidate in [c for c in found if c.manifest is not None][keep:]:
+        candidate.path.unlink(missing_ok=True)
+        candidate.manifest_path.unlink(missing_ok=True)
 
 
 def write_checkpoint(folder: Path, payload: dict[str, Any], step: int, keep: int) -> Path:
     """Write ``payload`` as the newest checkpoint of ``folder`` and keep the newest ``keep``.
 
+    The payload goes to a temporary file (an unpredictable name), then its manifest is written, then the
+    file is renamed into place: a ``step-*.pt`` without a manifest is never this module's.
+
     Raises:
         UserError: the folder cannot take the file (disk full, quota, read-only, permissions): one line;
-            every earlier checkpoint is left as it was.
+            every earlier checkpoint is left as it was. The folder is a link, or ``step-N.pt`` exists
+            without a manifest (not the run's: never overwritten): one line.
     """
     folder = Path(folder)
     path = folder / f"step-{step:08d}.pt"
-    tmp = folder / f".{path.name}.{os.getpid()}.tmp"
+    manifest_path = path.with_suffix(".json")
+    tmp: Path | None = None
+    manifest_written = False
     writer: _HashingWriter | None = None
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        safe_files.ensure_dir(folder)
         remove_orphans(folder)
+        if os.path.lexists(path) and not os.path.lexists(manifest_path):
+            raise unclaimed_error(path)
         found, _ = candidates(folder)
         seq = max((c.seq for c in found), default=0) + 1
-        with tmp.open("wb") as f:
-            writer = _HashingWriter(f)
+        fd, tmp = safe_files.temp_file(folder, path.name)
+        with os.fdopen(fd, "wb") as f:
+            writer = _HashingWriter(f)  # type: ignore[arg-type]
             torch.save(payload, writer)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
         manifest = {
             "file": path.name,
             "step": step,
@@ -284,19 +331,37 @@ def write_checkpoint(folder: Path, payload: dict[str, Any], step: int, keep: int
             "bytes": writer.size,
             "sha256": writer.digest.hexdigest(),
         }
-        _write_json(path.with_suffix(".json"), manifest)
+        safe_files.write_atomic(
+            manifest_path, json.dumps(manifest, sort_keys=True) + "\n", fsync=True
+        )
+        manifest_written = True
+        os.replace(tmp, path)
+        tmp = None
         _point_last(folder, path)
         _fsync_dir(folder)
     except OSError as exc:
+        _undo(manifest_written, manifest_path, path)
         raise _write_error(path, exc) from None
+    except UserError:
+        raise
     except Exception:
+        _undo(manifest_written, manifest_path, path)
         if writer is not None and writer.error is not None:
             raise _write_error(path, writer.error) from None
         raise
     finally:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
     _prune(folder, keep)
     return path
+
+
+def _undo(manifest_written: bool, manifest_path: Path, path: Path) -> None:
+    """A save failed after its manifest was written but before its file was in place: the manifest goes
+    too. (Where an earlier save of the same step is still in place, its manifest was replaced: a resume
+    rejects that file and falls back to the checkpoint before it.)"""
+    if manifest_written and not path.exists():
+        manifest_path.unlink(missing_ok=True)
 
 
 def _write_error(path: Path, exc: OSError) -> UserError:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from kfac_bench import safe_files
 from kfac_bench.checkpoint import files, torchfile
 from kfac_bench.consensus import from_main
 from kfac_bench.errors import ConfigError, UserError
@@ -239,6 +240,10 @@ class CheckpointManager:
     def _read(self, owner: bool = False) -> dict[str, Any] | None:
         """The newest good checkpoint; ``owner`` (the run that writes this folder, rank 0) also removes
         orphaned temporary files and sets rejected checkpoints aside, with a one-line warning."""
+        if owner:
+            files.check_folder(
+                self.folder
+            )  # a link, or a checkpoint the run did not write: one line
         if owner and self.folder.is_dir():
             files.remove_orphans(self.folder)
         found = files.load_newest_good(self.folder)
@@ -263,6 +268,7 @@ def save_atomic(obj: dict[str, Any], path: Path) -> None:
     """``torch.save(obj)`` to ``path`` so that readers see either the old or the new file, never a partial
     one."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    safe_files.check_not_link(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:

@@ -127,11 +127,21 @@ def check_overrides(
 
 
 def _compose_checked(overrides: Sequence[str], config_dirs: Sequence[str] = ()) -> Any:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
     from kfac_bench.config.bounds import validate_run
     from kfac_bench.config.compose import compose_run
+    from kfac_bench.launcher.rundir import check_run_dir_path
 
     cfg = compose_run(overrides, return_hydra_config=True, config_dirs=config_dirs)
     validate_run(cfg)
+    for key in ("hydra.run.dir", "hydra.sweep.dir"):
+        try:
+            path = str(OmegaConf.select(cfg, key))
+        except OmegaConfBaseException:
+            continue  # resolved only in the job (e.g. ${hydra.job.num}): Hydra's to report
+        check_run_dir_path(path)
     return cfg
 
 
@@ -168,6 +178,7 @@ def main(args: Sequence[str]) -> int:
                 from kfac_bench.launcher.preflight import check_run
 
                 check_run(cfg)
+                _check_planted(cfg, overrides)  # before Hydra writes .hydra/ there
                 if not worker:
                     locked = _check_explicit_run_dir(cfg, overrides)
     except UserError as exc:
@@ -272,6 +283,16 @@ def _check_explicit_run_dir(cfg: Any, overrides: Sequence[str]) -> Path | None:
     return run_dir
 
 
+def _check_planted(cfg: Any, overrides: Sequence[str]) -> None:
+    """Refuse a ``hydra.run.dir`` given on the command line in which a name the run or Hydra writes
+    (``.hydra/config.yaml`` ...) is a symbolic link: Hydra would write through it. (A generated run
+    directory is new, with a random suffix.)"""
+    from kfac_bench.launcher import rundir
+
+    if any(o.startswith("hydra.run.dir=") for o in overrides):
+        rundir.check_planted(Path(str(cfg.hydra.run.dir)).resolve())
+
+
 def _job_part(cfg: Any) -> Any:
     """The run's own config (everything but ``hydra``)."""
     from omegaconf import OmegaConf
@@ -282,7 +303,7 @@ def _job_part(cfg: Any) -> Any:
 def _run_hydra(args: list[str], run_dir_from_rank_0: bool = False) -> int:
     import hydra
     from hydra.core.hydra_config import HydraConfig
-    from omegaconf import DictConfig
+    from omegaconf import DictConfig, OmegaConf
 
     from kfac_bench.config.compose import PRIMARY
     from kfac_bench.config.resolvers import register_resolvers
@@ -297,7 +318,11 @@ def _run_hydra(args: list[str], run_dir_from_rank_0: bool = False) -> int:
         # the resolvers before Hydra resolves the job's directory (${uid:}).
         register_resolvers()
         hc = HydraConfig.get()
-        run_dir = Path(hc.runtime.output_dir)
+        # The directory Hydra created, read as stored: Hydra saves the resolved path, in which a literal
+        # `${` of the user's path would be resolved a second time on access.
+        runtime = OmegaConf.to_container(hc.runtime, resolve=False)
+        assert isinstance(runtime, dict)
+        run_dir = Path(str(runtime["output_dir"]))
         # The ranks of launcher=torchrun compose the same config: the user's --config-dir goes with them.
         user_dirs = [
             f"--config-dir={src.path.removeprefix('file://')}"
@@ -318,6 +343,21 @@ def _run_hydra(args: list[str], run_dir_from_rank_0: bool = False) -> int:
             if not _secondary_rank():
                 print(f"kfac-bench: error: {exc}", file=sys.stderr, flush=True)
             statuses.append(exc.exit_code)
+        except RuntimeError as exc:
+            from kfac_bench.launcher.distributed import detect, lost_peer
+
+            reason = lost_peer(exc)
+            if reason is None:
+                raise
+            # Not a user error: exit 1, so that torchrun restarts the ranks from the last checkpoint.
+            print(
+                f"kfac-bench: error: rank {detect().rank} lost another rank mid-collective ({reason}): "
+                "it died or was killed; the ranks restart from the last checkpoint if "
+                "launcher.max_restarts allows, else run the same command again to resume",
+                file=sys.stderr,
+                flush=True,
+            )
+            statuses.append(1)
         except OSError as exc:
             if exc.errno not in _DISK_ERRNOS:
                 raise

@@ -20,7 +20,7 @@ from typing import Any
 
 from kfac_bench.errors import ConfigError
 
-__all__ = ["Bounds", "bounded", "bounds_of", "check_bounds", "check_value"]
+__all__ = ["Bounds", "bounded", "bounds_of", "check_bounds", "check_run_values", "check_value"]
 
 _KEY = "kfac_bench.bounds"
 
@@ -96,6 +96,10 @@ def check_value(key: str, value: Any, bounds: Bounds) -> None:
     """Raise a one-line :class:`ConfigError` if ``value`` (of config key ``key``) is out of ``bounds``."""
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return
+    if isinstance(value, float) and math.isinf(value):
+        raise ConfigError(
+            f"invalid value {key}={value}: must be a finite number {bounds.describe()}"
+        )
     if not bounds.contains(value):
         raise ConfigError(f"invalid value {key}={value}: must be {bounds.describe()}")
 
@@ -151,3 +155,43 @@ def validate_run(cfg: Any) -> None:
     groups = {name: t for name, t in hints.items() if dataclasses.is_dataclass(t)}
     builders = [cls for _, _, cls in [*schema.SCHEMAS, *FAMILY_SCHEMAS]]
     check_bounds(cfg, groups, builders)
+    check_run_values(cfg)
+
+
+def _get(node: Any, key: str) -> Any:
+    return node.get(key) if hasattr(node, "get") else None
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_run_values(cfg: Any) -> None:
+    """The values a bound cannot express: ``name`` names one folder (the run directory's, under
+    ``runs/``), every target is a finite number (a NaN target would count as met at once), and schedule
+    milestones are finite and not negative.
+
+    Raises:
+        ConfigError: the first bad value, as one line.
+    """
+    name = _get(cfg, "name")
+    if name is not None:
+        text = str(name)
+        if not text or text in (".", "..") or "/" in text or "\\" in text or "\0" in text:
+            raise ConfigError(
+                f"invalid value name={text!r}: a run's name becomes part of its directory name; use "
+                "letters, digits, '-', '_' or '.' (no '/' and not '..')"
+            )
+    targets = _get(_get(cfg, "train"), "targets")
+    for metric, value in (targets or {}).items():
+        if not _finite_number(value):
+            raise ConfigError(
+                f"invalid value train.targets.{metric}={value}: a target must be a finite number"
+            )
+    milestones = list(_get(_get(cfg, "lr_schedule"), "milestones") or ())
+    for value in milestones:
+        if not _finite_number(value) or value < 0:
+            raise ConfigError(
+                f"invalid value lr_schedule.milestones={milestones}: milestones must be finite "
+                "numbers >= 0 (in lr_schedule.unit)"
+            )

@@ -53,6 +53,7 @@ def compose_run(
     """
     register()
     overrides = normalize_overrides(overrides)
+    _check_group_choices(overrides)
     if config_dirs:
         overrides.append(_search_path_override(config_dirs))
     try:
@@ -60,6 +61,28 @@ def compose_run(
             return compose(PRIMARY, overrides=overrides, return_hydra_config=return_hydra_config)
     except (HydraException, OmegaConfBaseException, yaml.YAMLError) as exc:
         raise to_config_error(exc) from None
+
+
+def _check_group_choices(overrides: Sequence[str]) -> None:
+    """A config group's option names a file of that group's folder (``recipe=NAME``: ``recipe/NAME.yaml``
+    on the search path): a path (``/``, ``..``) would load YAML from anywhere.
+
+    Raises:
+        ConfigError: one line naming the override.
+    """
+    groups = {p.name for p in config_dir().iterdir() if p.is_dir()} | {"recipe"}
+    for override in overrides:
+        key, eq, value = override.partition("=")
+        group = key.lstrip("+~")
+        if not eq or "." in group or "@" in group:
+            continue
+        if (group in groups or group.startswith("hydra/")) and re.search(
+            r"[/\\]|(^|,)\.\.?($|,)", value
+        ):
+            raise ConfigError(
+                f"invalid option in '{override}': a {group} option is a name from its folder, not a path; "
+                f"put your own YAML in DIR/{group}/NAME.yaml and pass --config-dir DIR"
+            )
 
 
 def _search_path_override(config_dirs: Sequence[str | Path]) -> str:

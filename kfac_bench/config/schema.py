@@ -132,7 +132,7 @@ class OptimizerConfig:
     """
 
     name: OptimizerName = OptimizerName.sgd
-    lr: float = bounded(0.1, gt=0)
+    lr: float = bounded(0.1, gt=0, le=1e6)
     momentum: float = bounded(0.9, ge=0, lt=1)
     nesterov: bool = False
     weight_decay: float = bounded(0.0, ge=0)
@@ -266,7 +266,7 @@ class TrainConfig:
     eval_every_steps: int | None = bounded(None, ge=0)
     targets: Dict[str, float] = field(default_factory=dict)
     stop_at_target: bool = False
-    seed: int = 0
+    seed: int = bounded(0, ge=0, lt=2**62)  # seed + rank fits torch's 64-bit seed
     precision: Precision = Precision.fp32
     device: DeviceKind = DeviceKind.auto
     num_workers: int = bounded(0, ge=0)

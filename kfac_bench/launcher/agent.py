@@ -226,6 +226,7 @@ def _preflight(args: Sequence[str], run_dir: Path) -> Any:
     world = job_world(cfg, torchrun_args=args)  # one reading for both checks
     check_run(cfg, world_size=world.size)
     rundir.probe_lock(run_dir)
+    rundir.check_planted(run_dir)
     rundir.check_config(run_dir, cfg)
     if world.fixed:
         from kfac_bench.checkpoint.elastic import check_launch
@@ -243,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_dir = run_dir_of(args)
         if run_dir is None:
             raise UserError("pass the run directory as hydra.run.dir=DIR (the ranks share it)")
+        rundir.check_run_dir_path(run_dir)
         _preflight(args, run_dir)
     except UserError as exc:
         print(f"kfac-bench: error: {exc}", file=sys.stderr, flush=True)

@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DistEnv", "cleanup", "detect", "first_host", "setup"]
+__all__ = ["DistEnv", "cleanup", "detect", "first_host", "lost_peer", "setup"]
+
+#: What gloo and NCCL say when a collective's peer is gone (killed, crashed, its host lost).
+_PEER_LOST = re.compile(
+    r"Connection (?:reset|closed|refused) by peer|Broken pipe|Socket Timeout|NCCL communicator was aborted"
+    r"|remote process exited|ProcessGroup.*(?:aborted|terminated)",
+    re.IGNORECASE,
+)
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,18 @@ def setup(env: DistEnv, device: torch.device) -> None:
         rank=env.rank,
         world_size=env.world_size,
     )
+
+
+def lost_peer(exc: BaseException) -> str | None:
+    """The reason, in one line, when ``exc`` is a collective failing because another rank is gone (it was
+    killed or crashed mid-collective); None for any other error."""
+    if not isinstance(exc, RuntimeError):  # torch.distributed.DistError is one
+        return None
+    text = str(exc).strip()
+    if not _PEER_LOST.search(text):
+        return None
+    first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0])  # gloo's "[.../pair.cc:545] "
+    return first.split(". This is typically")[0].strip()
 
 
 def cleanup(synchronize: bool = False) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from kfac_bench import safe_files
 from kfac_bench.config import flat_config
 from kfac_bench.errors import ConfigError, UserError
 
@@ -41,8 +42,11 @@ __all__ = [
     "LOCK_FILE",
     "MAY_CHANGE_ON_RESUME",
     "PREEMPTED_FILE",
+    "WRITTEN",
     "check_config",
     "check_not_diverged",
+    "check_planted",
+    "check_run_dir_path",
     "claim",
     "clear_preempted",
     "config_drift",
@@ -96,14 +100,60 @@ MAY_CHANGE_ON_RESUME: tuple[str, ...] = (
     "launcher.*",
 )
 
+#: What a run writes in its directory (files, then folders), and Hydra's record of the job (``.hydra/``,
+#: written before the job starts): a link planted at one of these names is refused when the run starts.
+WRITTEN: tuple[str, ...] = (
+    LOCK_FILE,
+    CONFIG_FILE,
+    PREEMPTED_FILE,
+    DIVERGED_FILE,
+    "summary.json",
+    "eval.jsonl",
+    "mlperf.log",
+    "tracker.json",
+    "world.json",
+    "predictions.json",
+    "checkpoints",
+    "tb",
+    "mlruns",
+    "wandb",
+    ".hydra",
+    ".hydra/config.yaml",
+    ".hydra/hydra.yaml",
+    ".hydra/overrides.yaml",
+)
+
 _held: dict[Path, int] = {}
 
 
+def check_run_dir_path(path: str | Path) -> None:
+    """Refuse a run directory whose path holds ``${``: Hydra stores the directory it creates in its config,
+    where the ranks and Hydra's own ``.hydra/`` writer would read it as an interpolation, so the run would
+    not land (whole) in the directory named.
+
+    Raises:
+        UserError: one line.
+    """
+    if "${" in str(path):
+        raise UserError(
+            f"run dir {path} contains '${{', which Hydra would resolve as an interpolation in the ranks "
+            "(the run would land elsewhere); choose a path without '${'"
+        )
+
+
+def check_planted(run_dir: Path) -> None:
+    """Refuse a run directory in which a name the run (or Hydra) writes is a symbolic link.
+
+    Raises:
+        UserError: one line naming the link and its target (which is left as it was).
+    """
+    for name in WRITTEN:
+        safe_files.check_not_link(Path(run_dir) / name)
+
+
 def _holder_text(path: Path) -> str:
-    try:
-        return path.read_text().strip() or "another process"
-    except OSError:
-        return "another process"
+    text = (safe_files.read_head(path, 200) or "").strip()
+    return text.splitlines()[0] if text else "another process"
 
 
 def lock(run_dir: Path) -> None:
@@ -118,7 +168,7 @@ def lock(run_dir: Path) -> None:
     path = run_dir / LOCK_FILE
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = safe_files.open_in_place(path, append=False)  # never through a planted link
     except OSError as exc:
         raise UserError(
             f"cannot write to run dir {run_dir}: {exc.strerror or exc}; "
@@ -166,9 +216,9 @@ def probe_lock(run_dir: Path) -> None:
     if run_dir in _held or not path.is_file():
         return
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        return
+        return  # missing, or a link: lock() refuses it
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -214,14 +264,26 @@ def check_config(run_dir: Path, cfg: DictConfig | Mapping[str, Any]) -> None:
     """Stop if ``run_dir`` records a run with another config.
 
     Raises:
-        ConfigError: one line naming the differing keys (recorded -> now).
+        ConfigError: one line naming the differing keys (recorded -> now); or the directory holds
+            checkpoints without a recorded config and the run would resume from them.
     """
     path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
+        resume = (
+            OmegaConf.select(cfg, "train.resume", default=True)
+            if isinstance(cfg, DictConfig)
+            else ((cfg.get("train") or {}).get("resume", True))
+        )
+        if resume and _holds_checkpoints(Path(run_dir)):
+            raise ConfigError(
+                f"run dir {Path(run_dir).resolve()} holds checkpoints but no {CONFIG_FILE}: the config "
+                "they were trained with is unknown, so a resume could mix two configs. Restore "
+                f"{path}, or start the run over with train.resume=false, or choose another hydra.run.dir"
+            )
         return
     try:
-        recorded = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
+        recorded = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError, yaml.YAMLError) as exc:
         raise ConfigError(
             f"cannot read the recorded config {path} ({type(exc).__name__}); restore it or choose "
             "another hydra.run.dir"
@@ -237,19 +299,22 @@ def check_config(run_dir: Path, cfg: DictConfig | Mapping[str, Any]) -> None:
     )
 
 
+def _holds_checkpoints(run_dir: Path) -> bool:
+    """Whether a resume would read a checkpoint here (a manifest, or a legacy ``last.pt``)."""
+    folder = run_dir / "checkpoints"
+    return any(
+        next(folder.glob(pattern), None) is not None for pattern in ("step-*.json", "last.pt")
+    )
+
+
 def record_config(run_dir: Path, cfg: DictConfig) -> None:
     """Write ``config.yaml`` (resolved), atomically."""
-    path = Path(run_dir) / CONFIG_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    safe_files.write_atomic(Path(run_dir) / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True))
 
 
 def claim(run_dir: Path, cfg: DictConfig) -> None:
-    """Make ``run_dir`` this run's: take the lock, check that the run there did not diverge and that the
+    """Make ``run_dir`` this run's: take the lock, check that no name it writes is a planted link and that
+    ``checkpoints/`` holds only the run's own checkpoints, that the run there did not diverge and that the
     config is the recorded one, remove temporary files a killed writer left, record the config, and remove
     an earlier attempt's preemption marker.
 
@@ -259,6 +324,10 @@ def claim(run_dir: Path, cfg: DictConfig) -> None:
     """
     lock(run_dir)
     try:
+        check_planted(run_dir)
+        from kfac_bench.checkpoint.files import check_folder
+
+        check_folder(Path(run_dir) / "checkpoints")  # one the run did not write: before any work
         if OmegaConf.select(cfg, "train.resume", default=True):
             check_not_diverged(run_dir)
         else:
@@ -279,14 +348,14 @@ def claim(run_dir: Path, cfg: DictConfig) -> None:
 def mark_preempted(run_dir: Path, step: int, signum: int | None) -> None:
     """Record that the run stopped for preemption at ``step`` with its checkpoint written."""
     name = f"signal {signum}" if signum is not None else "signal"
-    (Path(run_dir) / PREEMPTED_FILE).write_text(f"step {step} {name}\n")
+    safe_files.write_atomic(Path(run_dir) / PREEMPTED_FILE, f"step {step} {name}\n")
 
 
 def mark_diverged(run_dir: Path, step: int, what: str, last_checkpoint: Path | None) -> None:
     """Record that the run diverged at ``step`` (``what``: which values were non-finite) and which
     checkpoint is its last finite one."""
     kept = f"last finite checkpoint {last_checkpoint}" if last_checkpoint else "no checkpoint"
-    (Path(run_dir) / DIVERGED_FILE).write_text(f"step {step}: {what}; {kept}\n")
+    safe_files.write_atomic(Path(run_dir) / DIVERGED_FILE, f"step {step}: {what}; {kept}\n")
 
 
 def check_not_diverged(run_dir: Path) -> None:
@@ -296,12 +365,12 @@ def check_not_diverged(run_dir: Path) -> None:
         UserError: one line naming the step, what diverged and how to go on.
     """
     path = Path(run_dir) / DIVERGED_FILE
-    try:
-        text = path.read_text().strip().replace("\n", " ")
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return
-    except OSError:
-        text = "unreadable marker"
+    text = "".join(
+        c if c.isprintable() else " " for c in (safe_files.read_head(path) or "")
+    ).strip()
+    text = text or "unreadable marker"
     raise UserError(
         f"run dir {Path(run_dir).resolve()} holds a run that diverged ({text}): resuming would diverge "
         "again. Start a new hydra.run.dir with a lower optimizer.lr (or train.resume=false to start this "
@@ -314,4 +383,5 @@ def clear_preempted(run_dir: Path) -> None:
 
 
 def was_preempted(run_dir: Path) -> bool:
-    return (Path(run_dir) / PREEMPTED_FILE).is_file()
+    path = Path(run_dir) / PREEMPTED_FILE
+    return path.is_file() and not path.is_symlink()

@@ -55,7 +55,9 @@ def outside_job_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 
 def run_dir_override(run_dir: str | Path) -> str:
     """The ``hydra.run.dir=`` override naming ``run_dir`` exactly (:func:`hydra_quote`). The launch scripts
-    build theirs with ``python -m kfac_bench.launcher.torchrun DIR``."""
+    build theirs with ``python -m kfac_bench.launcher.torchrun DIR``. A path holding ``${`` reads back
+    exactly too, but the CLI and the agent refuse it as a run directory before any rank starts
+    (:func:`kfac_bench.launcher.rundir.check_run_dir_path`)."""
     return f"hydra.run.dir={hydra_quote(str(run_dir))}"
 
 

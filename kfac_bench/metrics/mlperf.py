@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kfac_bench import safe_files
 from kfac_bench.metrics.sinks import json_safe
 
 __all__ = [
@@ -144,7 +146,7 @@ class MLPerfLog:
             logger = logging.getLogger(f"kfac_bench.mlperf.{id(self)}")
             logger.propagate = False
             logger.setLevel(logging.INFO)
-            self._handler = logging.FileHandler(self.path, delay=True)
+            self._handler = _NoFollowHandler(self.path)
             logger.addHandler(self._handler)
             self.log = MLLogger(logger=logger, default_stack_offset=2)
 
@@ -181,6 +183,9 @@ class MLPerfLog:
         if not self.enabled:
             return
         if resumed and self._restored_bytes is not None:
+            self._flush_truncate(
+                self._restored_bytes
+            )  # what the lost work logged after the checkpoint
             if not self.stopped:  # after run_stop the MLPerf run is over: nothing more to mark
                 unix_ms = int(time.time() * 1e3)
                 value = {"step": step, **(world or {})}
@@ -286,7 +291,8 @@ class MLPerfLog:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the log as of the checkpoint: cut the file back to its length then (rank 0)."""
+        """Restore the log as of the checkpoint: :meth:`begin` cuts the file back to its length then (rank
+        0), when the resumed run starts training (a finished run started again leaves it whole)."""
         self.anchor_ms, self.stopped = state["anchor_ms"], bool(state["stopped"])
         self.in_block = bool(state["in_block"])
         size = state["bytes"]
@@ -295,11 +301,30 @@ class MLPerfLog:
             return
         if not self.path.is_file() or self.path.stat().st_size < size:
             return  # the log is gone or shorter: begin() starts it again on the same clock
-        self._flush_truncate(size)
         self._restored_bytes = size
 
     def _flush_truncate(self, size: int) -> None:
         if self._handler is not None:
             self._handler.close()  # reopened (appending) by the next event
-        if self.path.is_file():
-            os.truncate(self.path, size)
+        if os.path.lexists(self.path):
+            fd = safe_files.open_in_place(self.path, create=False)  # never a planted link's target
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+
+
+class _NoFollowHandler(logging.FileHandler):
+    """Appends to the log file, opened at the first event through :func:`safe_files.open_in_place` (a
+    planted link is refused, its target never written)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, mode="a", encoding="utf-8", delay=True)
+
+    def _open(self) -> Any:
+        return os.fdopen(safe_files.open_in_place(self.baseFilename), "a", encoding="utf-8")
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if isinstance(sys.exc_info()[1], safe_files.LinkRefused):
+            raise  # the run stops with its one line (logging would print a traceback and go on)
+        super().handleError(record)

@@ -175,6 +175,13 @@ class Recorder:
         if status is None:
             self.finish(None, None)
 
+    def leave(self, status: str) -> None:
+        """A finished run started again had nothing to train: close the display, MLPerf's log and the
+        sinks without logging anything (the logs hold the run's own end already)."""
+        self.progress.close()
+        self.mlperf.close(None, self.state.wall.elapsed)
+        self.finish(None, status)
+
     def finish(self, summary: dict[str, Any] | None, status: str | None) -> None:
         """The run's ``summary.json`` is written: its config and arm as TensorBoard HParams with the
         time-to-target and throughput as their metrics (not for a preempted run, whose numbers are not

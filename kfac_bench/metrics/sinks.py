@@ -19,11 +19,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from kfac_bench import safe_files
 from kfac_bench.errors import UserError
 
 __all__ = [
@@ -59,9 +61,9 @@ class JsonlSink:
         self.path = Path(path)
 
     def write(self, record: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(json_safe(record), sort_keys=True, allow_nan=False) + "\n")
-            f.flush()
+        line = json.dumps(json_safe(record), sort_keys=True, allow_nan=False) + "\n"
+        with os.fdopen(safe_files.open_in_place(self.path), "w", encoding="utf-8") as f:
+            f.write(line)
 
     def truncate_after(self, step: int) -> int:
         """Keep only records of steps ``<= step``, one per step (the last written), and no cut-off line;
@@ -69,21 +71,20 @@ class JsonlSink:
         dropped."""
         if not self.path.is_file():
             return 0
-        lines = self.path.read_text().splitlines()
+        lines = self.path.read_bytes().splitlines()
         by_step: dict[int, str] = {}
-        for line in lines:
+        for raw in lines:
             try:
+                line = raw.decode("utf-8")
                 record = json.loads(line)
-            except ValueError:
-                continue  # a line cut off by a crash
+            except (ValueError, RecursionError):
+                continue  # a line cut off by a crash (or not a record: undecodable, absurdly nested)
             at = record.get("step") if isinstance(record, dict) else None
             if isinstance(at, int) and at <= step:
                 by_step[at] = line
         kept = [by_step[k] for k in sorted(by_step)]
-        if kept != lines:
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, self.path)
+        if [line.encode("utf-8") for line in kept] != lines:
+            safe_files.write_atomic(self.path, "".join(line + "\n" for line in kept))
         return len(lines) - len(kept)
 
 
@@ -146,7 +147,13 @@ class TensorBoardSink:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=self.purge_step)
+            safe_files.ensure_dir(self.log_dir)
+            # A random suffix: the event file's name (time, host, pid) cannot be planted as a link first.
+            self._writer = SummaryWriter(
+                log_dir=str(self.log_dir),
+                purge_step=self.purge_step,
+                filename_suffix=f".{secrets.token_hex(8)}",
+            )
         return self._writer
 
     def scalars(self, values: dict[str, float], step: int) -> None:

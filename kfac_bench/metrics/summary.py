@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kfac_bench import safe_files
 from kfac_bench.metrics.environment import run_environment
 from kfac_bench.metrics.sinks import json_safe
 from kfac_bench.metrics.timekeeping import TargetTracker, Throughput
@@ -75,12 +76,8 @@ def peak_memory_bytes(device: torch.device) -> dict[str, int]:
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
     """Write ``summary.json`` atomically (a temporary file, then rename); a non-finite number (a diverged
     run's loss or metric) is written as ``null``, so the file is strict JSON."""
-    path = Path(run_dir) / SUMMARY_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     text = json.dumps(json_safe(summary), indent=2, sort_keys=True, default=str, allow_nan=False)
-    tmp.write_text(text + "\n")
-    os.replace(tmp, path)
-    return path
+    return safe_files.write_atomic(Path(run_dir) / SUMMARY_FILE, text + "\n")
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from kfac_bench import safe_files
 from kfac_bench.config import flat_config
 from kfac_bench.errors import UserError
 from kfac_bench.metrics.summary import arm_label
@@ -156,7 +157,7 @@ def run_tags(
 def _saved(run_dir: Path) -> dict[str, Any]:
     try:
         value = json.loads((run_dir / TRACKER_FILE).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
 
@@ -167,7 +168,7 @@ def _saved_id(run_dir: Path, key: str) -> str | None:
 
 
 def _save_id(run_dir: Path, key: str, value: str, **more: str) -> None:
-    (run_dir / TRACKER_FILE).write_text(json.dumps({key: value, **more}) + "\n")
+    safe_files.write_atomic(run_dir / TRACKER_FILE, json.dumps({key: value, **more}) + "\n")
 
 
 def _one_line(exc: BaseException) -> str:

@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Subset
 
+from kfac_bench import safe_files
 from kfac_bench.data.squad import SquadFeatures
 from kfac_bench.errors import UserError
 from kfac_bench.tasks.squad_eval import squad_v11_scores
@@ -245,11 +246,8 @@ class SquadTask:
         never evaluated."""
         if not self.last_predictions:
             return None
-        path = Path(run_dir) / PREDICTIONS_FILE
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.last_predictions, indent=1, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-        return path
+        text = json.dumps(self.last_predictions, indent=1, ensure_ascii=False) + "\n"
+        return safe_files.write_atomic(Path(run_dir) / PREDICTIONS_FILE, text)
 
 
 def build_squad_task(

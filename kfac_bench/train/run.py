@@ -128,6 +128,18 @@ def _train(
         seed_everything(
             elastic.rank_seed(int(cfg.train.seed), state.step, env.rank, env.world_size)
         )
+    kept = from_main(_finished_summary(run_dir, loop) if env.is_main and resumed else None)
+    if kept is not None:  # a finished run started again: nothing to train, nothing to rewrite
+        ended = str(kept["status"])
+        run.recorder.leave(ended)
+        if env.is_main:
+            print(
+                f"kfac-bench: run dir {run_dir} holds a finished run (step {state.step}): nothing to "
+                "train and its summary.json is kept; raise train.epochs (or train.max_steps) to train on",
+                flush=True,
+            )
+            print(summary.report_line(kept, run_dir), flush=True)
+        return ended
     moved = resumed and run.world.world_size != env.world_size
     if not resumed and init_from is not None:
         started = warm_start.start_from(init_from, loop.module, loop.optimizer, loop.precond)
@@ -223,6 +235,30 @@ def open_side_channels(
     if error is not None:
         raise UserError(error)
     return tracker
+
+
+def _finished_summary(run_dir: Path, loop: Any) -> dict[str, Any] | None:
+    """The summary of the finished run this resumed loop would only repeat the end of (its budget spent
+    or its target met with ``stop_at_target``, the last step evaluated), or None: the loop has work, or
+    there is no readable summary of that step to keep."""
+    s = loop.state
+    spent = s.epoch >= loop.epochs or s.step >= loop.max_steps
+    stopped = loop.stop_at_target and loop.tracker.reached is not None
+    if loop.step_timer is not None or not (spent or stopped) or s.last_eval_step != s.step:
+        return None
+    try:
+        kept = summary.read_summary(run_dir)
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(kept, dict) or kept.get("steps") != s.step:
+        return None
+    if kept.get("status") not in ("success", "target_not_reached"):
+        return None
+    try:
+        summary.report_line(kept, run_dir)
+    except (KeyError, TypeError, ValueError):
+        return None  # not a summary this harness wrote: write a new one
+    return kept
 
 
 def _summarize(

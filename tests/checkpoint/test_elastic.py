@@ -108,8 +108,9 @@ def test_a_grad_worker_fraction_that_cannot_place_on_the_new_world_is_one_line()
 def test_the_multinode_agent_refuses_a_world_that_cannot_keep_the_global_batch_before_starting(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from kfac_bench.launcher import rundir
     from kfac_bench.launcher.agent import main, torchrun_world_size
-    from tests.harness.util import TINY
+    from tests.harness.util import TINY, tiny_cfg
 
     assert (
         torchrun_world_size(["--nnodes=2", "--nproc_per_node", "4", "-m", "x", "--nnodes=9"]) == 8
@@ -122,6 +123,7 @@ def test_the_multinode_agent_refuses_a_world_that_cannot_keep_the_global_batch_b
         b"x"
     )  # a checkpoint to resume (never read here)
     record_world(run_dir, World(world_size=2, global_batch=64, batch_size=32))
+    rundir.record_config(run_dir, tiny_cfg())  # the run's own config: only the world differs
     command = ["-m", "kfac_bench.cli", "train", *TINY, f"hydra.run.dir={run_dir}"]
     assert main(["--nnodes=1", "--nproc-per-node=4", *command]) == 2
     lines = capsys.readouterr().err.strip().splitlines()

@@ -40,8 +40,10 @@ class FaultOnce(SmallCNN):
     ``exit`` (``os._exit(1)``), ``kill`` (SIGKILL to itself), a signal name (``USR1``, ``USR2``, ``TERM``)
     sent to itself, as a cluster would send it, after which it trains on; ``hold``: wait (at most
     :data:`HOLD_S` s) until the process has received a preemption signal from outside, so that the signal
-    finds the run mid-training however fast it trains; or ``store-ENOSPC`` / ``store-EROFS``
-    (:func:`break_store` of ``store``), optionally followed by a signal (``store-EROFS+TERM``)."""
+    finds the run mid-training however fast it trains; ``store-ENOSPC`` / ``store-EROFS``
+    (:func:`break_store` of ``store``), optionally followed by a signal (``store-EROFS+TERM``); or
+    ``kill_in_save``: SIGKILL to itself in the first checkpoint save after that forward (while the other
+    ranks save too)."""
 
     def __init__(
         self, marker: str, at: int, action: str, rank: int = 0, store: str = "", **kwargs: int
@@ -54,7 +56,7 @@ class FaultOnce(SmallCNN):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and int(os.environ.get("RANK", "0")) == self.rank:
             self.calls += 1
-            if self.calls == self.at and not self.marker.exists():
+            if self.calls == self.at and not self.marker.exists() and self.action != "kill_in_save":
                 self.marker.write_text(self.action)
                 action = self.action
                 if action.startswith("store-"):
@@ -69,6 +71,13 @@ class FaultOnce(SmallCNN):
                     sig = signal.SIGKILL if action == "kill" else getattr(signal, f"SIG{action}")
                     os.kill(os.getpid(), sig)
         return super().forward(x)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        due = self.action == "kill_in_save" and self.calls >= self.at
+        if due and int(os.environ.get("RANK", "0")) == self.rank and not self.marker.exists():
+            self.marker.write_text(self.action)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().state_dict(*args, **kwargs)
 
 
 #: The longest a ``hold`` waits for its signal.

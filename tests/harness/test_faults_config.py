@@ -91,7 +91,7 @@ def test_every_bound_is_checked_before_the_run(
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("optimizer.lr=-0.1", "must be > 0"),
+        ("optimizer.lr=-0.1", "must be in (0, 1e+06]"),
         ("kfac.factor_update_steps=0", "must be >= 1"),
         ("kfac.inv_update_steps=-1", "must be >= 1"),
         ("train.batch_size=0", "must be >= 1"),
@@ -103,6 +103,24 @@ def test_every_bound_is_checked_before_the_run(
         ("+train.targets.top9=0.5", "the task never reports 'top9'"),
         ("task.target_metric=top3", "task.target_metric=top3: the task never reports it"),
         ("train.targets={top_1: 0.5}", "unknown config key 'train.targets.top_1'"),
+        ("train.targets.top1=nan", "train.targets.top1=nan: a target must be a finite number"),
+        ("train.targets.top1=-inf", "train.targets.top1=-inf: a target must be a finite number"),
+        ("optimizer.lr=1e300", "invalid value optimizer.lr=1e+300: must be in (0, 1e+06]"),
+        ("optimizer.lr=inf", "optimizer.lr=inf: must be a finite number in (0, 1e+06]"),
+        ("train.seed=99999999999999999999", "train.seed=99999999999999999999: must be in [0, "),
+        ("lr_schedule.milestones=[-1]", "lr_schedule.milestones=[-1.0]: milestones must be finite"),
+        (
+            "name=../../x",
+            "invalid value name='../../x': a run's name becomes part of its directory",
+        ),
+        (
+            "+recipe=../../x",
+            "invalid option in 'recipe=../../x': a recipe option is a name from its",
+        ),
+        (
+            "model=/etc/x",
+            "invalid option in 'model=/etc/x': a model option is a name from its folder",
+        ),
     ],
 )
 def test_common_bad_values_are_one_line_naming_the_rule(
@@ -110,8 +128,38 @@ def test_common_bad_values_are_one_line_naming_the_rule(
 ) -> None:
     line = _one_error_line(capsys, ["+recipe=digits_smoke", override])
     assert expected in line and "Traceback" not in line
-    if "targets" in override:
+    if "targets" in override and "finite" not in expected:
         assert "loss, top1, top5" in line or "unknown config key" in line
+
+
+def test_a_recipe_path_never_loads_yaml_outside_the_recipe_dirs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    outside = tmp_path / "outside.yaml"
+    outside.write_text("# @package _global_\nname: planted\n")
+    relative = "../" * 40 + str(outside.with_suffix("")).lstrip("/")
+    line = _one_error_line(capsys, [f"+recipe={relative}", "--cfg", "job"])
+    assert "a recipe option is a name from its folder, not a path" in line
+    assert capsys.readouterr().out == ""  # nothing composed from it
+
+
+def test_a_run_dir_holding_an_interpolation_is_refused_before_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kfac_bench.launcher.agent import main as agent_main
+    from kfac_bench.launcher.torchrun import run_dir_override
+
+    for path in (tmp_path / "r${name}x", tmp_path / "r${nokey}x"):
+        line = _one_error_line(capsys, ["+recipe=digits_smoke", run_dir_override(path)])
+        assert line == (
+            f"kfac-bench: error: run dir {path} contains '${{', which Hydra would resolve as an "
+            "interpolation in the ranks (the run would land elsewhere); choose a path without '${'"
+        )
+        # launch/slurm.sbatch and torchrun_multinode.sh start the agent: it refuses before any rank
+        args = ["--standalone", "-m", "kfac_bench.cli", "train", run_dir_override(path)]
+        assert agent_main(args) == 2
+        assert capsys.readouterr().err.count("contains '${'") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no directory, resolved or literal
 
 
 def test_cuda_without_a_gpu(
