@@ -20,7 +20,7 @@ from typing import Any
 
 from kfac_bench.config.bounds import validate_run
 from kfac_bench.config.compose import compose_run
-from kfac_bench.data.batching import accumulation_steps
+from kfac_bench.data.batching import accumulation_steps, rank_batch
 from kfac_bench.errors import ConfigError
 
 __all__ = [
@@ -76,14 +76,19 @@ class RunLength:
     examples: int | None
     dataset: str
 
+    def rank_batch(self, world_size: int) -> int:
+        """Each rank's micro-batch on ``world_size`` ranks: a stated global batch is split, not grown (the
+        harness's rule, :func:`kfac_bench.data.batching.rank_batch`)."""
+        return rank_batch(self.batch_size, world_size, self.global_batch_size)
+
     def micro_batches(self, world_size: int) -> int:
         """Micro-batches per optimizer step on ``world_size`` ranks (the harness's rule)."""
         return accumulation_steps(
-            self.batch_size, world_size, self.global_batch_size, self.accumulation
+            self.rank_batch(world_size), world_size, self.global_batch_size, self.accumulation
         )
 
     def global_batch(self, world_size: int) -> int:
-        return self.batch_size * world_size * self.micro_batches(world_size)
+        return self.rank_batch(world_size) * world_size * self.micro_batches(world_size)
 
     def steps(self, world_size: int) -> tuple[int | None, int | None, str]:
         """(optimizer steps to the end of training, steps per epoch, how they were counted) on
@@ -92,7 +97,7 @@ class RunLength:
         per_epoch = None
         if self.examples is not None:
             per_epoch = steps_per_epoch(
-                self.examples, world_size, self.batch_size, self.micro_batches(world_size)
+                self.examples, world_size, self.rank_batch(world_size), self.micro_batches(world_size)
             )
         if per_epoch is not None and per_epoch > 0:
             by_epochs = self.epochs * per_epoch

@@ -24,7 +24,7 @@ from torch import nn
 from kfac_bench.config.bounds import validate_run
 from kfac_bench.config.compose import compose_run
 from kfac_bench.config.kfac_adapter import scaled_interval, torch_dtype
-from kfac_bench.data.batching import accumulation_steps
+from kfac_bench.data.batching import accumulation_steps, rank_batch
 from kfac_bench.errors import ConfigError, UserError
 from kfac_bench.kfac import ComputeMethod, LayerSpec, ModelScan, scan_model
 from kfac_bench.kfac.options import AssignmentStrategy
@@ -109,7 +109,10 @@ class PlannedModel:
         """Micro-batches per step on ``world_size`` ranks (1 where the global batch does not divide)."""
         try:
             return accumulation_steps(
-                self.batch_size, world_size, self.global_batch_size, self.default_accumulation
+                rank_batch(self.batch_size, world_size, self.global_batch_size),
+                world_size,
+                self.global_batch_size,
+                self.default_accumulation,
             )
         except ConfigError:
             return 1

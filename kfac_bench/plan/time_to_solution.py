@@ -183,7 +183,7 @@ class _Model:
         }
 
     def base(self, n: int, length: RunLength) -> dict[str, float]:
-        examples = length.batch_size * length.micro_batches(n)
+        examples = length.rank_batch(n) * length.micro_batches(n)
         return {
             "compute": self.compute_per_example * examples,
             "grad_allreduce": self.net.allreduce(self.grad_bytes, n, self.grad_calls),
@@ -195,7 +195,7 @@ class _Model:
         micro = length.micro_batches(n)
         loads = self.loads(n, m, self.placement, micro)
         st, at = self.profile.stages_s, self.profile.measured_at
-        examples = length.batch_size * micro
+        examples = length.rank_batch(n) * micro
         stages = {
             **self.base(n, length),
             "precondition": st["precondition"]
