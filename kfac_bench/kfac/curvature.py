@@ -188,12 +188,17 @@ class Curvature:
                 else ("did_not_run" if flag == _NOT_RUN else "decomposition_failed")
             )
             if missing.get(layer.name) == _NOT_RUN:  # logged by the rank that lacks the factor
+                why = (
+                    "used functionally? a skipped branch?"
+                    if layer.module.training
+                    else "it is in eval() mode, whose forwards are not recorded"
+                )
                 self.warn(
                     f"not_run:{layer.name}",
-                    "K-FAC: layer '%s' has not run through its module (used functionally? a skipped "
-                    "branch?); it keeps its plain gradient until it does, checked at every decomposition. "
-                    "Silence this with skip_layers=[%r].",
+                    "K-FAC: layer '%s' has not run through its module (%s); it keeps its plain gradient "
+                    "until it does, checked at every decomposition. Silence this with skip_layers=[%r].",
                     layer.name,
+                    why,
                     "^" + re.escape(layer.name) + "$",
                 )
 
