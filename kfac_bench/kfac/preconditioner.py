@@ -569,13 +569,17 @@ class KFACPreconditioner:
         self.capture.remove()
         self._removed = True
 
-    def state_dict(self, include_decompositions: bool = False) -> dict[str, Any]:
+    def state_dict(self, include_decompositions: bool | None = None) -> dict[str, Any]:
         """Steps, constant hyperparameters and every layer's running factors (gathered from their owners).
 
         Collective under torch.distributed: every rank calls it and receives the full state.
         With ``include_decompositions`` the current decompositions are saved too, so that a resumed run
-        continues bit-identically even between decomposition steps.
+        continues bit-identically even between decomposition steps. Default: only for ``eigen_lowrank``,
+        whose decompositions are warm-started from the previous ones (recomputing them from the factors
+        would not resume what the run computes).
         """
+        if include_decompositions is None:
+            include_decompositions = self.compute_method is ComputeMethod.EIGEN_LOWRANK
         return checkpoint.gather_state(self, include_decompositions)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

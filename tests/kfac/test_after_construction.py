@@ -137,7 +137,7 @@ def test_a_gradient_penalty_names_itself_and_its_workarounds() -> None:
     x = x.requires_grad_()
     loss = F.cross_entropy(model(x), y)
     (gx,) = torch.autograd.grad(loss, x, create_graph=True)
-    with pytest.raises(RuntimeError, match="gradient penalty.*eval\\(\\).*factor_update_steps"):
+    with pytest.raises(RuntimeError, match=r"gradient penalty.*eval\(\).*factor_update_steps"):
         (loss + gx.pow(2).sum()).backward()
     del p
 
