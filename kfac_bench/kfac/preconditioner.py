@@ -335,17 +335,15 @@ class KFACPreconditioner:
     # ------------------------------------------------------------------ introspection / lifecycle
     def stage_times(self) -> dict[str, float]:
         """Cumulative seconds per stage since construction; ``factor`` includes the factor work done inside
-        the forward and backward hooks.
-
-        Raises:
-            RuntimeError: the preconditioner was built without ``track_stage_times=True`` (nothing was
-                timed: zeros would read as free stages).
-        """
+        the forward and backward hooks. Empty, with a warning logged once, when the preconditioner is not
+        tracking (built without ``track_stage_times=True``): zeros would read as stages that cost nothing."""
         if not self.timer.enabled:
-            raise RuntimeError(
-                "K-FAC stage_times(): not tracking; build the preconditioner with "
-                "track_stage_times=True (it synchronises CUDA around each stage)"
+            self._warn(
+                "stage_times",
+                "K-FAC stage_times(): not tracking (track_stage_times=False), so no stage was timed; build "
+                "the preconditioner with track_stage_times=True (it synchronises CUDA around each stage)",
             )
+            return {}
         return dict(self.timer.seconds)
 
     def assignment_summary(self) -> str:

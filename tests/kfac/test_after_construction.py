@@ -180,3 +180,30 @@ def test_a_layer_called_twice_is_not_taken_for_a_weight_read_outside_its_call() 
     F.cross_entropy(model(x) + model(x.flip(0)), y).backward()  # two calls of every layer (siamese)
     p.step()
     assert p.coverage().left_out == {}
+
+
+def test_stage_times_says_when_it_is_not_tracking(caplog: pytest.LogCaptureFixture) -> None:
+    model = _mlp()
+    quiet, timed = KFACPreconditioner(model), KFACPreconditioner(_mlp(), track_stage_times=True)
+    _train_step(model, quiet)
+    with caplog.at_level(logging.WARNING, logger="kfac_bench.kfac"):
+        assert quiet.stage_times() == {} and quiet.stage_times() == {}
+    assert sum("not tracking" in r.getMessage() for r in caplog.records) == 1
+    _train_step(timed.model, timed)
+    assert timed.stage_times()["decomposition"] > 0
+
+
+def test_a_decomposition_step_expected_to_be_long_is_announced_first(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kfac_bench.kfac import curvature
+
+    model = _mlp()
+    p = KFACPreconditioner(model)
+    with caplog.at_level(logging.INFO, logger="kfac_bench.kfac"):
+        _train_step(model, p)  # tiny factors: expected to take microseconds, not announced
+        monkeypatch.setattr(curvature, "LONG_DECOMPOSITION_S", 0.0)
+        for _ in range(2):
+            _train_step(model, p)
+    lines = [r.getMessage() for r in caplog.records if "expected to take" in r.getMessage()]
+    assert len(lines) == 1 and "decomposing 6 factors" in lines[0] and "largest 7²" in lines[0]
