@@ -27,6 +27,9 @@ Contract (what a training loop may do):
   backward pass); a gradient penalty (``autograd.grad(..., create_graph=True)``, then ``backward``) raises,
   naming the two workarounds: its forward in ``eval()`` mode, or penalties on steps without factors.
 * A call with no rows (an MoE expert no token was routed to) is no call: it updates neither factor.
+* Under ``'expand'`` scaling the rows of the Linear-type calls in training mode since the last backward
+  pass (also those run without gradients, as reentrant checkpointing's first forward is) set ``L``, the
+  terms of the next one (:mod:`.factors`).
 * A layer's input is its first positional argument or its ``input`` keyword; its examples lie along
   ``batch_dim`` (0, or 1 for sequence-first layers, see ``KFACPreconditioner(batch_dim=...)``).
 
