@@ -86,15 +86,15 @@ class Coverage:
 
     @property
     def eligible_share(self) -> float:
-        """Preconditioned / eligible parameters (1.0 for a model without any eligible parameter)."""
-        return self.preconditioned_params / self.eligible_params if self.eligible_params else 1.0
+        """Preconditioned / eligible parameters: 1.0 for a model without any eligible parameter, 0.0 when
+        nothing is eligible only because what was left out has no shape yet (Lazy modules: "100 % of 0"
+        would read as full coverage)."""
+        if self.eligible_params:
+            return self.preconditioned_params / self.eligible_params
+        return 0.0 if self.layers == 0 and self.left_out else 1.0
 
     @property
     def below_threshold(self) -> bool:
-        """Under the threshold; also when nothing is eligible but layers were left out (e.g. Lazy modules
-        before their first forward: "100 % of 0" covers nothing)."""
-        if self.eligible_params == 0 and self.layers == 0 and self.left_out:
-            return True
         return self.eligible_share < self.threshold
 
     def to_dict(self) -> dict[str, Any]:
