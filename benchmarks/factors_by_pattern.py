@@ -32,9 +32,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.utils.prune
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.nn.utils.prune
 from torch import nn
 
 from kfac_bench.kfac import KFACPreconditioner
