@@ -13,8 +13,11 @@ Frobenius) of the plain run's, else it names the largest difference, and it list
 reason ``coverage()`` gives). ``n/a``: the library has no switch for the pattern.
 
 ``pruned``: the first registered layer is pruned (``torch.nn.utils.prune.l1_unstructured``) after the
-preconditioner was built; the cell should list it as left out (``computed_weight``) and every other layer
-exact. ``bf16_autocast`` is compared differently: the float32 copy of the model takes one step under CPU bf16
+preconditioner was built; the cell lists the layers left out at the next step (the pruned one, as
+``computed_weight``, and no other); factors are not compared (the pruned weights change every activation
+after them).
+
+``bf16_autocast`` is compared differently: the float32 copy of the model takes one step under CPU bf16
 autocast, and each layer's factors are compared with dense float64 factors of the input and output gradient
 that layer received (captured by hooks of this script, upcast), as ``tests/kfac/test_amp.py`` does; it also
 counts the layers whose input and output gradient were bf16.
@@ -378,6 +381,9 @@ def measure(names: list[str], patterns: tuple[str, ...]) -> dict[str, Any]:
                 with ctx:
                     if pattern == "bf16_autocast":
                         row[pattern] = run_autocast(base, kind, plain)
+                    elif pattern == "pruned":
+                        got = run(copy.deepcopy(base), kind, pattern)
+                        row[pattern] = {"left_out": compare(plain, got)["left_out"]}
                     else:
                         row[pattern] = compare(plain, run(copy.deepcopy(base), kind, pattern))
             except Exception as err:  # report, do not stop the table
