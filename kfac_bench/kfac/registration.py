@@ -278,10 +278,14 @@ def structure(model: nn.Module) -> tuple[tuple[object, ...], ...]:
     computed weight it has) and the weight's dtype. Cheap enough to compare at every ``step()``: a pruned,
     replaced, materialised (lazy) or converted (``.double()``) layer changes it."""
     out = []
+    known: dict[type, bool] = {}  # class -> has a handler (one MRO walk per class, not per module)
     for name, module in model.named_modules():
         own = module._parameters.get("weight")
         lazy = isinstance(own, nn.parameter.UninitializedParameter)
-        if not lazy and handler_for(module) is None:
+        cls = type(module)
+        if cls not in known:
+            known[cls] = handler_for(module) is not None
+        if not lazy and not known[cls]:
             continue
         weight = getattr(module, "weight", None)
         ident: object = id(own) if isinstance(own, nn.Parameter) else type(weight).__name__
