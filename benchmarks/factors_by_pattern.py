@@ -12,6 +12,11 @@ A cell is ``exact`` when every layer preconditioned in the plain run has factors
 Frobenius) of the plain run's, else it names the largest difference, and it lists layers left out (with the
 reason ``coverage()`` gives). ``n/a``: the library has no switch for the pattern.
 
+``pruned``: the first registered layer is pruned (``torch.nn.utils.prune.l1_unstructured``) after the
+preconditioner was built; the cell lists the layers left out at the next step (the pruned one, as
+``computed_weight``, and no other); factors are not compared (the pruned weights change every activation
+after them).
+
 ``bf16_autocast`` is compared differently: the float32 copy of the model takes one step under CPU bf16
 autocast, and each layer's factors are compared with dense float64 factors of the input and output gradient
 that layer received (captured by hooks of this script, upcast), as ``tests/kfac/test_amp.py`` does; it also
@@ -32,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.nn.utils.prune
 from torch import nn
 
 from kfac_bench.kfac import KFACPreconditioner
@@ -190,8 +196,16 @@ def run(model: nn.Module, kind: str, pattern: str) -> KFACPreconditioner:
             gradient_checkpointing_kwargs={"use_reentrant": pattern == "ckpt_reentrant"}
         )
     p = KFACPreconditioner(
-        model, factor_decay=0.0, kl_clip=None, accumulation_steps=2, coverage_threshold=0.0
+        model,
+        factor_decay=0.0,
+        kl_clip=None,
+        accumulation_steps=2,
+        coverage_threshold=0.0,
+        factor_scaling="per_example",  # the convention of _dense_factors and of the table's cells
     )
+    if pattern == "pruned":  # after construction, as a training script that prunes would
+        first = next(iter(p.layers.values())).module
+        torch.nn.utils.prune.l1_unstructured(first, "weight", amount=0.5)
     torch.manual_seed(0)  # the same random draws in every pattern
     forward = model
     if pattern == "compile":
@@ -280,7 +294,9 @@ def run_autocast(base: nn.Module, kind: str, plain: KFACPreconditioner) -> dict[
         loss_fn = _vision_loss
     else:
         batch, loss_fn = _text_batches()[0], _text_loss
-    p = KFACPreconditioner(model, factor_decay=0.0, kl_clip=None, coverage_threshold=0.0)
+    p = KFACPreconditioner(
+        model, factor_decay=0.0, kl_clip=None, coverage_threshold=0.0, factor_scaling="per_example"
+    )
     rec = _Received({n: layer.module for n, layer in p.layers.items()})
     torch.manual_seed(0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -313,10 +329,13 @@ def run_autocast(base: nn.Module, kind: str, plain: KFACPreconditioner) -> dict[
 
 def compare(plain: KFACPreconditioner, got: KFACPreconditioner) -> dict[str, Any]:
     worst, left = 0.0, {}
+    reasons = {n: r for r, names in got.coverage().left_out.items() for n in names}
     for name, ref in plain.layers.items():
         layer = got.layers.get(name)
         if layer is None or not layer.ready:
-            left[name] = layer.not_ready_reason if layer is not None else "not registered"
+            left[name] = (
+                layer.not_ready_reason if layer is not None else reasons.get(name, "not registered")
+            )
             continue
         for a, b in ((layer.a_factor, ref.a_factor), (layer.g_factor, ref.g_factor)):
             worst = max(worst, float((a - b).norm() / b.norm().clamp_min(1e-300)))
@@ -331,6 +350,7 @@ PATTERNS = (
     "ddp_no_sync",
     "channels_last",
     "bf16_autocast",
+    "pruned",
 )
 
 
@@ -361,6 +381,9 @@ def measure(names: list[str], patterns: tuple[str, ...]) -> dict[str, Any]:
                 with ctx:
                     if pattern == "bf16_autocast":
                         row[pattern] = run_autocast(base, kind, plain)
+                    elif pattern == "pruned":
+                        got = run(copy.deepcopy(base), kind, pattern)
+                        row[pattern] = {"left_out": compare(plain, got)["left_out"]}
                     else:
                         row[pattern] = compare(plain, run(copy.deepcopy(base), kind, pattern))
             except Exception as err:  # report, do not stop the table

@@ -205,7 +205,7 @@ class KFACConfig:
     factor_dtype: str | None = None
     inv_dtype: str | None = None
     skip_layers: List[str] = field(default_factory=list)
-    factor_scaling: FactorScaling = FactorScaling.per_example
+    factor_scaling: FactorScaling = FactorScaling.expand
     grad_worker_fraction: str = "comm_opt"
     assignment_strategy: AssignmentStrategy = AssignmentStrategy.compute
     colocate_factors: bool = True

@@ -24,7 +24,12 @@ Contract (what a training loop may do):
   are due raise: ``.grad`` would hold the sum of both gradients and G only the first one's.
 * A copy of the model (``copy.deepcopy``) carries the hooks but does not feed this preconditioner.
 * Not supported: ``torch.autograd.grad`` through registered layers while factors are due (it is taken for a
-  backward pass).
+  backward pass); a gradient penalty (``autograd.grad(..., create_graph=True)``, then ``backward``) raises,
+  naming the two workarounds: its forward in ``eval()`` mode, or penalties on steps without factors.
+* A call with no rows (an MoE expert no token was routed to) is no call: it updates neither factor.
+* Under ``'expand'`` scaling the rows of the Linear-type calls in training mode since the last backward
+  pass (also those run without gradients, as reentrant checkpointing's first forward is) set ``L``, the
+  terms of the next one (:mod:`.factors`).
 * A layer's input is its first positional argument or its ``input`` keyword; its examples lie along
   ``batch_dim`` (0, or 1 for sequence-first layers, see ``KFACPreconditioner(batch_dim=...)``).
 
@@ -47,8 +52,9 @@ import torch
 
 from .factors import fold
 from .options import FactorScaling
+from .outside import OutsideGradients
 from .state import Call, LayerState
-from .subsample import ExampleSubset, PositionSubset
+from .subsample import ExampleSubset, PositionSubset, subset_size
 from .timing import Stage, StageTimer
 
 
@@ -105,6 +111,10 @@ class Capture:
         self.ever = False
         self._task = -2  # graph task whose end-of-backward callback is queued
         self._touched: list[LayerState] = []
+        #: Rows of each Linear-type layer in the running backward pass: [recorded sum, largest unrecorded].
+        self._rows: dict[str, list[int]] = {}
+        #: The check for weights that also receive gradient outside their module's call (:mod:`.outside`).
+        self.outside = OutsideGradients()
         for layer in layers.values():
             self.attach(layer)
 
@@ -114,6 +124,7 @@ class Capture:
         for layer in self.layers.values():
             layer.calls.clear()
             self._close(layer)
+        self._rows.clear()
         self.collecting = collect
         self.backwards = 0
 
@@ -134,29 +145,31 @@ class Capture:
         ) -> None:
             # ``copy.deepcopy(model)`` copies the hook dicts with this very closure: a copy's module is
             # not the registered one and must not feed this preconditioner's factors.
-            if module is not layer.module:
+            if module is not layer.module or not (self.collecting and module.training):
                 return
+            x = _layer_input(args, kwargs)
+            if x is None or x.numel() == 0:
+                return  # a call with no rows (an idle MoE expert) is no call: it updates no factor
+            task = _graph_task_id()
             if not (
-                self.collecting
-                and module.training
-                and torch.is_grad_enabled()
+                torch.is_grad_enabled()
                 and isinstance(output, torch.Tensor)
                 and output.grad_fn is not None
             ):
+                if task == -1:  # e.g. reentrant checkpointing's first forward: its rows count in L
+                    self._count_rows(layer, x, recorded=False)
                 return
-            task = _graph_task_id()
             if task != -1 and _recomputing_nonreentrant():
                 return  # the original forward was captured; this recomputation is never backpropagated
-            x = _layer_input(args, kwargs)
-            if x is None:
-                return
-            x = x.detach()
+            x_in, x = x, x.detach()
             if layer.batch_dim:
                 x = x.movedim(layer.batch_dim, 0)
             rows = None
             if self.subset is not None:
                 rows = self.subset.rows(x, self.backwards, layer.handler.spatial)
                 x = x if rows is None else x.index_select(0, rows)
+            if task == -1:
+                self._count_rows(layer, x, recorded=True)
             pos = self._position_rows(layer, output)
             with (
                 self.timer(Stage.FACTOR, sync=False),
@@ -183,6 +196,8 @@ class Capture:
                 # and backpropagates it in a nested one: the micro-batch is the outer pass.
                 call.nested = True
                 self._enter_backward()
+            if self.outside.active:
+                self.outside.watch(layer, output, x_in)
             node, index, shape = _grad_node(output)
             # A prehook on the node that produced the output sees dL/d(output) even when the output is
             # later modified in place (e.g. an inplace ReLU), unlike a tensor hook. The output of a Linear on
@@ -203,17 +218,15 @@ class Capture:
     def _grad_hook(
         self, layer: LayerState, ref: weakref.ref[Call], index: int, shape: torch.Size | None
     ) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
-        first_task: list[int] = []  # the backward pass that delivered this call's gradient
+        # The backward pass that delivered this call's gradient, and whether it built a graph of its own.
+        first_task: list[int] = []
 
         def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
             task = _graph_task_id()
             if first_task and first_task[0] != task and self.collecting:
-                raise RuntimeError(
-                    f"K-FAC layer '{layer.name}': a second backward pass through the same graph "
-                    "(backward(retain_graph=True), then backward again): .grad holds the sum of both "
-                    "gradients but G only the first one's; add the losses and call backward() once"
-                )
-            first_task[:] = [task]
+                raise RuntimeError(_second_pass_message(layer.name, bool(first_task[1])))
+            # Inside a backward pass grad mode is on only with create_graph=True (double backward).
+            first_task[:] = [task, int(torch.is_grad_enabled())]
             call = ref()
             # Gone or done: dropped by start_step().
             if call is None or call.done or call not in layer.calls:
@@ -261,6 +274,29 @@ class Capture:
 
         return hook
 
+    def _count_rows(self, layer: LayerState, x: torch.Tensor, recorded: bool) -> None:
+        """Tally a Linear-type call's rows for ``L``, the terms of this backward pass (``'expand'``, see
+        :mod:`.factors`): per layer the sum over its recorded calls, or the largest call run without
+        gradients (reentrant checkpointing's first forward; its recomputation is not tallied again)."""
+        if layer.handler.spatial:
+            return
+        n = 1 if x.dim() <= 1 else x.numel() // max(1, x.shape[-1])
+        tally = self._rows.setdefault(layer.name, [0, 0])
+        if recorded:
+            tally[0] += n
+        else:
+            if self.subset is not None and x.dim() > 1:
+                n = (
+                    n
+                    * subset_size(self.subset.fraction, x.shape[layer.batch_dim])
+                    // max(1, x.shape[layer.batch_dim])
+                )
+            tally[1] = max(tally[1], n)
+
+    def terms(self) -> int:
+        """``L`` of the running backward pass: the most rows a Linear-type layer processed (0: none)."""
+        return max((max(t) for t in self._rows.values()), default=0)
+
     def _enter_backward(self) -> None:
         """Queue the end-of-backward callback once per backward pass."""
         task = _graph_task_id()
@@ -272,6 +308,7 @@ class Capture:
         for layer in self._touched:
             self._close(layer)
         self._touched.clear()
+        self._rows.clear()
         self.backwards += 1
         self.ever = True
         self._task = -2
@@ -281,7 +318,9 @@ class Capture:
         if not layer.group:
             return
         with self.timer(Stage.FACTOR, sync=False):
-            (a_sum, a_n), (g_sum, g_n) = fold(self.scaling, layer.handler.spatial, layer.group)
+            (a_sum, a_n), (g_sum, g_n) = fold(
+                self.scaling, layer.handler.spatial, layer.group, self.terms()
+            )
             layer.a_batch.add(a_sum, a_n)
             layer.g_batch.add(g_sum, g_n)
         layer.group.clear()
@@ -297,6 +336,25 @@ class Capture:
             scale_async = getattr(s, "_get_scale_async", None)
             return scale_async() if scale_async is not None else float(s.get_scale())
         return s()
+
+
+def _second_pass_message(name: str, create_graph: bool) -> str:
+    """The error for a call's output differentiated twice while factors are due (one line, with the fix
+    that applies to what the first pass was)."""
+    if create_graph:
+        return (
+            f"K-FAC layer '{name}': its output was differentiated with create_graph=True (e.g. "
+            "torch.autograd.grad for a gradient penalty) and then backpropagated again: K-FAC records a "
+            "call's output gradient once per backward pass and cannot tell the penalty's from the loss's; "
+            "run the penalty's forward with the model in eval() mode (K-FAC records training-mode forwards "
+            "only), or add the penalty on steps where factors are not due (factor_update_steps > 1, "
+            "as lazy R1 regularisation does)"
+        )
+    return (
+        f"K-FAC layer '{name}': a second backward pass through the same graph "
+        "(backward(retain_graph=True), then backward again): .grad holds the sum of both "
+        "gradients but G only the first one's; add the losses and call backward() once"
+    )
 
 
 def _recomputing_nonreentrant() -> bool:

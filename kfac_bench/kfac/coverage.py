@@ -14,11 +14,21 @@ Reasons a module is left out (keys of :attr:`Coverage.left_out`):
 ``tied``                 its weight (or bias) is also held by another module (e.g. a decoder tied to the
                          token embedding): preconditioning it would rewrite a gradient that carries both
                          modules' contributions
+``computed_weight``      its weight is recomputed from other parameters before each forward (old-API
+                         ``torch.nn.utils.prune``, ``spectral_norm``, ``weight_norm``), also when applied
+                         after construction (found at the next ``step()``)
+``lazy_uninitialised``   a Lazy module before its first forward: it is registered at the end of the first
+                         ``step()`` after it (its weight has no shape before)
 ``unsupported_config``   a handler rejected it or failed on it (e.g. a parametrized or non-float weight)
 ``did_not_run``          registered, but had no factors at the last decomposition step (never ran, or not yet;
                          e.g. every call under ``no_grad``)
 ``decomposition_failed`` registered, but its first decomposition failed even in float64 (plain gradient
                          until one succeeds)
+``eval_mode``            registered, but in ``eval()`` mode while its weight gets gradients (its forwards are
+                         not recorded: call ``.train()`` on it, or skip it)
+``read_outside_call``    its weight also received gradient from outside its module's call (read
+                         functionally elsewhere, e.g. ``F.linear(h, enc.weight.t())`` in a tied autoencoder):
+                         ``A ⊗ G`` models the call only, so it keeps its plain gradient (:mod:`.outside`)
 
 Run-time findings (``did_not_run``, ``decomposition_failed``, ``used_functionally`` found at run time) are
 known only once training ran; before that a registered layer counts as preconditioned.
@@ -36,9 +46,13 @@ REASONS = (
     "grouped_conv",
     "used_functionally",
     "tied",
+    "computed_weight",
+    "lazy_uninitialised",
     "unsupported_config",
     "did_not_run",
     "decomposition_failed",
+    "eval_mode",
+    "read_outside_call",
 )
 
 
@@ -72,8 +86,12 @@ class Coverage:
 
     @property
     def eligible_share(self) -> float:
-        """Preconditioned / eligible parameters (1.0 for a model without any eligible parameter)."""
-        return self.preconditioned_params / self.eligible_params if self.eligible_params else 1.0
+        """Preconditioned / eligible parameters: 1.0 for a model without any eligible parameter, 0.0 when
+        nothing is eligible only because what was left out has no shape yet (Lazy modules: "100 % of 0"
+        would read as full coverage)."""
+        if self.eligible_params:
+            return self.preconditioned_params / self.eligible_params
+        return 0.0 if self.layers == 0 and self.left_out else 1.0
 
     @property
     def below_threshold(self) -> bool:
@@ -115,7 +133,11 @@ class Coverage:
         return head + ("; left out: " + "; ".join(parts) if parts else "")
 
 
-_LABELS = {"subclass_own_forward": "subclass with its own forward — register a handler"}
+_LABELS = {
+    "subclass_own_forward": "subclass with its own forward — register a handler",
+    "eval_mode": "in eval() mode while training",
+    "read_outside_call": "gradient also from outside its module's call",
+}
 
 
 def _count(n: int) -> str:

@@ -19,14 +19,16 @@ import torch
 
 from .comm import Communicator, StepReduction
 from .factors import running_average
-from .log import WarnOnce
+from .log import WarnOnce, logger
 from .options import Factor, FactorScaling
-from .second_order import Result, SecondOrderMethod
+from .second_order import Result, SecondOrderMethod, expected_seconds
 from .state import LayerState
 from .timing import Stage, StageTimer
 
 _NOT_RUN, _FAILED = 1, 2  # why a rank cannot provide a layer's part (the larger wins across ranks)
 _Job = tuple[LayerState, Factor, torch.Tensor]  # a factor this rank decomposes
+#: Expected seconds from which a decomposition step is announced in the log first.
+LONG_DECOMPOSITION_S = 10.0
 
 
 class Curvature:
@@ -49,6 +51,7 @@ class Curvature:
         self.timer = timer
         self.warn = warn
         self._step_reduction: StepReduction | None = None
+        self._announced = False
 
     # ------------------------------------------------------------------ stage 1: factors
     def factors_final(self, layer: LayerState) -> None:
@@ -107,6 +110,7 @@ class Curvature:
         with self.timer(Stage.DECOMPOSITION):
             self._warn_nonfinite_factors()
             jobs, missing = self._owned_factors()
+            self._announce(jobs)
             results = self.method.decompose(
                 [f for _, _, f in jobs],
                 damping,
@@ -119,6 +123,30 @@ class Curvature:
         with self.timer(Stage.DECOMPOSITION_COMM):
             self._agree_ready(missing)
             self.broadcast()
+
+    def _announce(self, jobs: list[_Job]) -> None:
+        """Before a decomposition step expected to take over ``LONG_DECOMPOSITION_S`` (the method's cost
+        model, :func:`~.second_order.expected_seconds`): one log line, the first time, so a long silence
+        is not taken for a hang."""
+        if self._announced or not jobs:
+            return
+        cost = sum(
+            self.method.decomposition_cost(f.shape[0], layer.spatial) for layer, _, f in jobs
+        )
+        cuda = any(f.is_cuda for _, _, f in jobs)
+        seconds = expected_seconds(cost, cuda, torch.get_num_threads())
+        if seconds < LONG_DECOMPOSITION_S:
+            return
+        self._announced = True
+        largest = max(f.shape[0] for _, _, f in jobs)
+        logger.info(
+            "K-FAC: decomposing %d factors on this rank (largest %d²) on %s: expected to take about %.0f s "
+            "(every inv_update_steps steps)",
+            len(jobs),
+            largest,
+            "CUDA" if cuda else f"{torch.get_num_threads()} CPU threads",
+            seconds,
+        )
 
     def _owned_factors(self) -> tuple[list[_Job], dict[str, int]]:
         """The ``(layer, kind, factor)`` this rank decomposes, and the layers it lacks a factor of
@@ -188,12 +216,17 @@ class Curvature:
                 else ("did_not_run" if flag == _NOT_RUN else "decomposition_failed")
             )
             if missing.get(layer.name) == _NOT_RUN:  # logged by the rank that lacks the factor
+                why = (
+                    "used functionally? a skipped branch?"
+                    if layer.module.training
+                    else "it is in eval() mode, whose forwards are not recorded"
+                )
                 self.warn(
                     f"not_run:{layer.name}",
-                    "K-FAC: layer '%s' has not run through its module (used functionally? a skipped "
-                    "branch?); it keeps its plain gradient until it does, checked at every decomposition. "
-                    "Silence this with skip_layers=[%r].",
+                    "K-FAC: layer '%s' has not run through its module (%s); it keeps its plain gradient "
+                    "until it does, checked at every decomposition. Silence this with skip_layers=[%r].",
                     layer.name,
+                    why,
                     "^" + re.escape(layer.name) + "$",
                 )
 

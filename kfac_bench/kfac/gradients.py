@@ -41,7 +41,7 @@ class Gradients:
         layers whose ``requires_grad`` changed, stay plain)."""
         out = {}
         for name, layer in self.layers.items():
-            if layer.ready and name not in skip:
+            if layer.ready and name not in skip and layer.left_out is None:
                 grad = layer.handler.grad(layer.module, layer.bias)
                 if grad is not None:
                     if grad.shape != (layer.g_dim, layer.a_dim):

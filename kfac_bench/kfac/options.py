@@ -44,12 +44,15 @@ class ComputeMethod(StrEnum):
 
 
 class FactorScaling(StrEnum):
-    """Which code version's normalisation of A and G; see :mod:`kfac_bench.kfac.factors`.
+    """The normalisation of A and G; see :mod:`kfac_bench.kfac.factors`.
 
+    ``expand`` (default): K-FAC-expand (Eschenhagen et al., NeurIPS 2023) for Linear-type layers, every row
+    one term of the loss's mean, so the step does not depend on the input's layout; KFC for convolutions.
     ``per_example``: the SC20/TPDS ResNet code (gpauloski/kfac-pytorch, branch ``kfac-opt``); ``kaisa``: the
     KAISA-era code (branch ``hybrid-opt``, ``get_cov``), which produced the Mask R-CNN and BERT results.
     """
 
+    EXPAND = "expand"
     PER_EXAMPLE = "per_example"
     KAISA = "kaisa"
 

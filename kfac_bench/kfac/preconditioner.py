@@ -43,7 +43,7 @@ from .options import (
     Placement,
     parse_grad_worker_fraction,
 )
-from .registration import LayerSpec, ModelScan, batch_dim_of, log_scan, scan_model
+from .registration import LayerSpec, ModelScan, batch_dim_of, log_scan, scan_model, structure
 from .schedules import Scheduled, is_due, resolve
 from .second_order import RankRule, second_order_method
 from .state import LayerState, memory_by_category
@@ -79,7 +79,9 @@ class KFACPreconditioner:
         skip_layers: regexes; a layer is skipped if one matches (``re.search``) its qualified name or its
             class name.
         grad_scaler: a ``torch.amp.GradScaler`` or a callable returning the loss scale; G is unscaled with it.
-        factor_scaling: ``'per_example'`` or ``'kaisa'`` (see :mod:`kfac_bench.kfac.factors`).
+        factor_scaling: ``'expand'`` (default: every row of a Linear-type layer one term of the loss's mean,
+            whatever the input's layout; KFC for convolutions), ``'per_example'`` (the SC20/TPDS ResNet code)
+            or ``'kaisa'`` (the KAISA-era code); see :mod:`kfac_bench.kfac.factors`.
         grad_worker_fraction: share of ranks that precondition each layer: 1 = COMM-OPT, 1/world = MEM-OPT,
             in between HYBRID-OPT; the strings ``'comm_opt'``, ``'mem_opt'`` and ``'hybrid_opt'`` (= 0.5)
             work too (parsed by :func:`~kfac_bench.kfac.options.parse_grad_worker_fraction`).
@@ -102,7 +104,8 @@ class KFACPreconditioner:
             from, in (0, 1]; 1 (default) is exact, less is an opt-in approximation whose noise the running
             average absorbs, for a factor stage about that much cheaper (:mod:`kfac_bench.kfac.subsample`).
         batch_dim: the dimension of the examples in the layers' inputs and outputs, used by
-            ``factor_scaling='per_example'`` to count examples and positions: an int for every layer, or a
+            ``factor_scaling='per_example'`` to count examples and positions and by
+            ``factor_batch_fraction`` to draw examples: an int for every layer, or a
             dict of regexes (``re.search`` on the qualified name) -> dim; layers it does not set keep the
             detected one: 1 for the Linear layers of a sequence-first (``batch_first=False``)
             ``nn.TransformerEncoderLayer``/``DecoderLayer``, else 0. Convolutions take 0 only.
@@ -147,7 +150,7 @@ class KFACPreconditioner:
         inv_dtype: torch.dtype | None = None,
         skip_layers: Sequence[str] = (),
         grad_scaler: Any = None,
-        factor_scaling: FactorScaling | str = FactorScaling.PER_EXAMPLE,
+        factor_scaling: FactorScaling | str = FactorScaling.EXPAND,
         grad_worker_fraction: float | DistributedStrategy | str = 1.0,
         assignment_strategy: AssignmentStrategy | str = AssignmentStrategy.COMPUTE,
         colocate_factors: bool = True,
@@ -203,6 +206,7 @@ class KFACPreconditioner:
             s.name: self._layer_state(s) for s in self._scan.layers
         }
         self._trainable = self._trainable_now()
+        self._structure = structure(model)
         self.comm = Communicator(
             {}, allreduce_bucket_cap_mb, symmetry_aware, comm_dtype, group=process_group
         )
@@ -234,6 +238,7 @@ class KFACPreconditioner:
             positions=self._position_subset(factor_position_fraction),
         )
         self.capture.start_step(is_due(self.factor_update_steps, 0))
+        self.capture.outside.start()
 
     def _example_subset(self, fraction: float) -> ExampleSubset | None:
         """The subset rule of ``factor_batch_fraction`` (None for 1: the exact path, untouched)."""
@@ -291,9 +296,11 @@ class KFACPreconditioner:
                 "or build a new KFACPreconditioner"
             )
         step = self.steps
-        with self._following_requires_grad() as changed:
+        with self._following_changes() as changed:
             if self.capture.collecting:
                 self._check_micro_batches()
+                if self.capture.outside.active:
+                    self._leave_out_read_outside()
             if is_due(self.factor_update_steps, step):  # 1. factors
                 self.curvature.update_factors(resolve(self.factor_decay, step))
             if is_due(self.inv_update_steps, step):  # 2. second order
@@ -327,9 +334,16 @@ class KFACPreconditioner:
 
     # ------------------------------------------------------------------ introspection / lifecycle
     def stage_times(self) -> dict[str, float]:
-        """Cumulative seconds per stage since construction (zeros unless ``track_stage_times``).
-
-        ``factor`` includes the factor work done inside the forward and backward hooks."""
+        """Cumulative seconds per stage since construction; ``factor`` includes the factor work done inside
+        the forward and backward hooks. Empty, with a warning logged once, when the preconditioner is not
+        tracking (built without ``track_stage_times=True``): zeros would read as stages that cost nothing."""
+        if not self.timer.enabled:
+            self._warn(
+                "stage_times",
+                "K-FAC stage_times(): not tracking (track_stage_times=False), so no stage was timed; build "
+                "the preconditioner with track_stage_times=True (it synchronises CUDA around each stage)",
+            )
+            return {}
         return dict(self.timer.seconds)
 
     def assignment_summary(self) -> str:
@@ -373,9 +387,11 @@ class KFACPreconditioner:
         run; used functionally; first decomposition failed) are reported as left out until they are;
         ``requires_grad`` is read now (a layer frozen or unfrozen since the last step is counted as it is
         now: it is registered again at the end of the next ``step()``)."""
-        not_ready = {
-            n: s.not_ready_reason for n, s in self.layers.items() if s.not_ready_reason is not None
-        }
+        not_ready: dict[str, str] = {}
+        for n, s in self.layers.items():
+            reason = s.left_out or s.not_ready_reason
+            if reason is not None:
+                not_ready[n] = reason
         scan = self._scan
         if self._trainable_now() != self._trainable:
             scan = scan_model(self.model, self.skip_layers)
@@ -392,6 +408,7 @@ class KFACPreconditioner:
             spec.g_dim,
             spec.bias,
             batch_dim=batch_dim_of(spec, self.batch_dim),
+            param_id=id(spec.handler.parameters(spec.module)[0]),
         )
 
     def _trainable_now(self) -> dict[str, tuple[bool, bool]]:
@@ -402,31 +419,96 @@ class KFACPreconditioner:
             w, b = layer.handler.parameters(layer.module)
             out[name] = (w.requires_grad, b is not None and b.requires_grad)
         for name in self._scan.frozen:
-            module = self.model.get_submodule(name)
+            try:
+                module = self.model.get_submodule(name)
+            except (
+                AttributeError
+            ):  # replaced or deleted since the scan: the structure check re-scans
+                continue
             handler = handler_for(module)
-            assert handler is not None
+            if handler is None:
+                continue
             w, b = handler.parameters(module)
             out[name] = (w.requires_grad, b is not None and b.requires_grad)
         return out
 
     @contextlib.contextmanager
-    def _following_requires_grad(self) -> Iterator[set[str]]:
-        """Around one ``step()``: yields the registered layers whose ``requires_grad`` changed since the last
-        step (they keep their plain gradient in it); if any layer's changed, registers the layers again
-        when the step has completed."""
-        trainable = self._trainable_now()
-        yield {n for n in self.layers if trainable.get(n) != self._trainable.get(n)}
-        if trainable != self._trainable:
+    def _following_changes(self) -> Iterator[set[str]]:
+        """Around one ``step()``: yields the registered layers whose ``requires_grad``, module or weight
+        changed since the last step (they keep their plain gradient in it: a pruned weight, a replaced
+        module); if anything changed (also a Lazy module materialised), registers the layers again when
+        the step has completed. A dtype change is reported, not followed (dtypes are chosen once)."""
+        trainable, shape = self._trainable_now(), structure(self.model)
+        changed = {n for n in self.layers if trainable.get(n) != self._trainable.get(n)}
+        if shape != self._structure:
+            changed |= {n for n, layer in self.layers.items() if self._replaced(n, layer)}
+            self._warn_dtype()
+        yield changed
+        if trainable != self._trainable or shape != self._structure:
             self._register_again(trainable)
 
+    def _replaced(self, name: str, layer: LayerState) -> bool:
+        """Whether the model no longer holds ``layer``'s module under its name with the same weight."""
+        try:
+            module = self.model.get_submodule(name)
+            weight = layer.handler.parameters(module)[0]
+        except (AttributeError, AssertionError):
+            return True
+        return module is not layer.module or id(weight) != layer.param_id
+
+    def _warn_dtype(self) -> None:
+        """Once: the model's weights changed dtype after construction (factors keep theirs)."""
+        dtypes = {
+            str(layer.handler.parameters(layer.module)[0].dtype) for layer in self.layers.values()
+        }
+        if resolve_dtypes(self.model, None, None)[0] != self.factor_dtype and self.comm.rank == 0:
+            self._warn(
+                "dtype",
+                "K-FAC: the model's weights are %s, but factors are %s and decompositions %s (chosen at "
+                "construction, before the model's dtype changed): build the preconditioner after "
+                "converting the model, or pass factor_dtype/inv_dtype",
+                "/".join(sorted(dtypes)),
+                self.factor_dtype,
+                self.inv_dtype,
+            )
+
+    def _leave_out_read_outside(self) -> None:
+        """After the first recorded step's backward: leave out the layers whose weight also received
+        gradient from outside their module's call (:mod:`.outside`); every rank agrees."""
+        outside = self.capture.outside
+        flagged = dict(outside.flagged)
+        outside.stop()
+        names = sorted(self.layers)
+        if self.comm.distributed:
+            flags = torch.tensor([flagged.get(n, 0.0) for n in names], device=self.comm.device)
+            self.comm.all_reduce_max(flags, "outside_gradients")
+            flagged = {n: f for n, f in zip(names, flags.tolist()) if f > 0}
+        for name, share in flagged.items():
+            self.layers[name].left_out = "read_outside_call"
+            if self.comm.rank == 0:
+                self._warn(
+                    f"outside:{name}",
+                    "K-FAC layer '%s': %.0f%% of its weight's gradient came from outside its module's "
+                    "call (read functionally elsewhere, e.g. a tied transposed decoder); A ⊗ G models the "
+                    "call only, so the layer is left out (plain gradient)",
+                    name,
+                    100 * share,
+                )
+
     def _register_again(self, trainable: dict[str, tuple[bool, bool]]) -> None:
-        """Scan again after ``requires_grad`` changed: unchanged layers keep their state, changed ones start
-        afresh, new ones are hooked; then placement is recomputed (the same on every rank)."""
+        """Scan again after ``requires_grad`` or the model's structure changed: unchanged layers keep their
+        state, changed ones start afresh, new ones are hooked; then placement is recomputed (the same on
+        every rank). A registered layer that is left out now is named in one warning, with its reason."""
         scan: ModelScan = scan_model(self.model, self.skip_layers)
         old, new = dict(self.layers), {}
         for spec in scan.layers:
             layer = old.pop(spec.name, None)
-            if layer is None or trainable.get(spec.name) != self._trainable.get(spec.name):
+            if (
+                layer is None
+                or trainable.get(spec.name) != self._trainable.get(spec.name)
+                or layer.module is not spec.module
+                or layer.param_id != id(spec.handler.parameters(spec.module)[0])
+            ):
                 if layer is not None:
                     layer.remove_hooks()
                 layer = self._layer_state(spec)
@@ -438,10 +520,21 @@ class KFACPreconditioner:
         self.layers.update(new)
         self._scan = scan
         self._trainable = self._trainable_now()
+        self._structure = structure(self.model)
         self._plan()
+        self.capture.outside.start()
         if self.comm.rank == 0:
+            gone = {n: scan.details.get(n, "not in the model any more") for n in old}
+            gone = {n: why for n, why in gone.items() if n not in scan.frozen}
+            if gone:
+                self._warn(
+                    "left_out:" + ",".join(sorted(gone)),
+                    "K-FAC: the model changed after construction; left out now (plain gradient): %s",
+                    "; ".join(f"'{n}': {why}" for n, why in sorted(gone.items())),
+                )
             logger.info(
-                "K-FAC: requires_grad changed; layers registered again: %s",
+                "K-FAC: the model changed (requires_grad, modules or weights); layers registered "
+                "again: %s",
                 self._scan.coverage(self.coverage_threshold),
             )
 
@@ -454,7 +547,9 @@ class KFACPreconditioner:
             if layer.not_ready_reason == "did_not_run" and not layer.received:
                 weight, _ = layer.handler.parameters(layer.module)
                 if weight.grad is not None:
-                    layer.not_ready_reason = "used_functionally"
+                    # Hooks record training-mode forwards only: a submodule in eval() is not functional.
+                    training = layer.module.training
+                    layer.not_ready_reason = "used_functionally" if training else "eval_mode"
         coverage = self.coverage()
         if coverage.below_threshold and self.comm.rank == 0:
             self._warn(
@@ -472,13 +567,17 @@ class KFACPreconditioner:
         self.capture.remove()
         self._removed = True
 
-    def state_dict(self, include_decompositions: bool = False) -> dict[str, Any]:
+    def state_dict(self, include_decompositions: bool | None = None) -> dict[str, Any]:
         """Steps, constant hyperparameters and every layer's running factors (gathered from their owners).
 
         Collective under torch.distributed: every rank calls it and receives the full state.
         With ``include_decompositions`` the current decompositions are saved too, so that a resumed run
-        continues bit-identically even between decomposition steps.
+        continues bit-identically even between decomposition steps. Default: only for ``eigen_lowrank``,
+        whose decompositions are warm-started from the previous ones (recomputing them from the factors
+        would not resume what the run computes).
         """
+        if include_decompositions is None:
+            include_decompositions = self.compute_method is ComputeMethod.EIGEN_LOWRANK
         return checkpoint.gather_state(self, include_decompositions)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

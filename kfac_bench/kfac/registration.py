@@ -198,10 +198,11 @@ def _classify(
         return
     try:
         weight, bias = handler.parameters(module)
-        if not weight.requires_grad:
+        reason = computed_weight_reason(module)
+        if reason is None and not weight.requires_grad:
             scan.frozen.append(name)
             return  # frozen: nothing to precondition, and not a trainable parameter either
-        reason = handler.unsupported_reason(module) or _weight_reason(weight)
+        reason = reason or handler.unsupported_reason(module) or _weight_reason(weight)
         if reason is None and name in functional:
             reason = "used functionally"
         others = sorted(
@@ -243,9 +244,62 @@ def _own(module: nn.Module) -> list[nn.Parameter]:
     ]
 
 
+#: Forward pre-hooks of ``torch.nn.utils`` that compute ``weight`` from other parameters before each forward
+#: (class name -> what they are), the old API of pruning, spectral and weight normalisation.
+_WEIGHT_HOOKS = {
+    "SpectralNorm": "spectral_norm",
+    "WeightNorm": "weight_norm",
+    "PruningContainer": "torch.nn.utils.prune",
+}
+
+
+def computed_weight_reason(module: nn.Module) -> str | None:
+    """Why ``module.weight`` is computed, not a parameter of its own (pruned, spectral- or
+    weight-normalised with the old ``torch.nn.utils`` API, which sets ``weight`` from ``weight_orig`` or
+    ``weight_g``/``weight_v`` in a forward pre-hook), as a ``computed_weight`` reason; None if not."""
+    if isinstance(module._parameters.get("weight"), nn.Parameter):
+        return None
+    for hook in module._forward_pre_hooks.values():
+        kind = _WEIGHT_HOOKS.get(type(hook).__name__)
+        if kind is None and type(hook).__module__ == "torch.nn.utils.prune":
+            kind = "torch.nn.utils.prune"
+        if kind is not None:
+            source = "weight_g, weight_v" if kind == "weight_norm" else "weight_orig"
+            return (
+                f"computed weight ({kind}: weight is recomputed from {source} before each forward, "
+                f"so its gradient is not the layer's; remove the reparametrization or skip the layer)"
+            )
+    return None
+
+
+def structure(model: nn.Module) -> tuple[tuple[object, ...], ...]:
+    """What registration depends on beyond ``requires_grad``: each module of a registered type or with a
+    lazy parameter, by name, with the identity of the module and of its weight parameter (or the kind of
+    computed weight it has) and the weight's dtype. Cheap enough to compare at every ``step()``: a pruned,
+    replaced, materialised (lazy) or converted (``.double()``) layer changes it."""
+    out = []
+    known: dict[type, bool] = {}  # class -> has a handler (one MRO walk per class, not per module)
+    for name, module in model.named_modules():
+        own = module._parameters.get("weight")
+        lazy = isinstance(own, nn.parameter.UninitializedParameter)
+        cls = type(module)
+        if cls not in known:
+            known[cls] = handler_for(module) is not None
+        if not lazy and not known[cls]:
+            continue
+        weight = getattr(module, "weight", None)
+        ident: object = id(own) if isinstance(own, nn.Parameter) else type(weight).__name__
+        dtype = getattr(weight, "dtype", None) if not lazy else None
+        out.append((name, id(module), type(module).__name__, ident, lazy, str(dtype)))
+    return tuple(out)
+
+
 def _weight_reason(weight: torch.Tensor) -> str | None:
     if isinstance(weight, nn.parameter.UninitializedParameter):
-        return "unsupported config (lazy weight not initialised: run one forward before building K-FAC)"
+        return (
+            "lazy uninitialised (its weight has no shape until the first forward; registered at the "
+            "step after it)"
+        )
     if not isinstance(weight, nn.Parameter):
         return "unsupported config (weight is not a Parameter: parametrized?)"
     if not weight.is_floating_point():
@@ -270,8 +324,20 @@ def log_scan(scan: ModelScan, coverage: Coverage) -> None:
     if coverage.below_threshold:
         logger.warning(
             "K-FAC covers only %.1f%% of the parameters in weight matrices/kernels (threshold %.0f%%): "
-            "register the model's layer types with kfac_bench.kfac.register_layer_type or revise "
-            "skip_layers",
+            "%s",
             100 * coverage.eligible_share,
             100 * coverage.threshold,
+            _advice(coverage),
         )
+
+
+def _advice(coverage: Coverage) -> str:
+    """What to do about a coverage below the threshold, for what was left out."""
+    if "lazy_uninitialised" in coverage.left_out:
+        return "Lazy modules are registered at the step after their first forward (or run one forward first)"
+    if "skipped_by_rule" in coverage.left_out:
+        return (
+            "skip_layers leaves layers out: if that is intended, lower coverage_threshold (or revise "
+            "skip_layers)"
+        )
+    return "register the model's layer types with kfac_bench.kfac.register_layer_type or revise skip_layers"

@@ -83,6 +83,10 @@ class LayerState:
     handles: list[RemovableHandle] = field(default_factory=list)
     # Whether an output gradient ever reached the layer's hooks (run-time coverage).
     received: bool = False
+    # A run-time reason to leave the layer out for good (a ``Coverage`` key, e.g. "read_outside_call").
+    left_out: str | None = None
+    # ``id`` of the weight parameter it was registered with (a pruned or replaced weight differs).
+    param_id: int = 0
 
     @property
     def spatial(self) -> bool:

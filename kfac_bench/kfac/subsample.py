@@ -14,9 +14,10 @@ What the hooks do with ``fraction < 1`` (see :mod:`.capture`):
   and its output gradient, so A and G of a call describe the same examples;
 * the draw is a function of the preconditioner's step, the micro-batch index and ``N`` only, so a resumed
   run draws what the uninterrupted run drew, and every rank draws the same positions of its own batch;
-* A is the mean over the ``k`` examples (its count is ``k``); under ``'per_example'`` scaling autograd's
-  output gradient carries ``1/N`` of the full batch, so the G sum is multiplied by ``(N/k)²`` to be the same
-  mean over the ``k`` examples; under ``'kaisa'`` G is a mean over rows and needs no correction.
+* A is the mean over the ``k`` examples (its count is ``k``); under ``'expand'`` and ``'per_example'``
+  scaling autograd's output gradient carries ``1/N`` of the full batch, so the G sum is multiplied by
+  ``(N/k)²`` to be the same mean over the ``k`` examples; under ``'kaisa'`` G is a mean over rows and needs
+  no correction.
 
 With ``fraction = 1`` nothing is drawn and the path is the exact one, bit for bit.
 
@@ -108,7 +109,7 @@ class ExampleSubset:
 
     def g_weight(self, n: int, k: int) -> float:
         """Factor on the G sum of ``k`` of ``n`` examples (see the module docstring)."""
-        if self.scaling is FactorScaling.PER_EXAMPLE:
+        if self.scaling is not FactorScaling.KAISA:
             return (n / k) ** 2
         return 1.0
 

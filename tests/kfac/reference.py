@@ -58,7 +58,11 @@ def kfac_factors(
     a = layer_rows(layer, x)
     d = output_rows(layer, delta)
     n, t = a.shape[0], a.shape[1]
-    if scaling == "per_example":
+    if scaling == "expand" and not isinstance(layer, nn.Conv2d):
+        # K-FAC-expand: each of the R = n·t rows is a term of the loss's mean (the one layer sees them all).
+        rows, g = a.reshape(n * t, -1), (d / n).reshape(n * t, -1)
+        return rows.t() @ rows / (n * t), (g.t() @ g) * (n * t)
+    if scaling in ("per_example", "expand"):
         A = sum(a[i].t() @ a[i] for i in range(n)) / n
         G = sum(d[i].t() @ d[i] / t for i in range(n)) / n
         return A, G

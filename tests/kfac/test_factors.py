@@ -72,7 +72,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("scaling", ["per_example", "kaisa"])
+@pytest.mark.parametrize("scaling", ["expand", "per_example", "kaisa"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_factors_match_per_example_definition(case: str, scaling: str) -> None:
     make, shape, out_features = CASES[case]
@@ -87,7 +87,7 @@ def test_factors_match_per_example_definition(case: str, scaling: str) -> None:
     torch.testing.assert_close(G, G_ref, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("scaling", ["per_example", "kaisa"])
+@pytest.mark.parametrize("scaling", ["expand", "per_example", "kaisa"])
 @pytest.mark.parametrize("case", ["linear", "linear_seq", "conv_stride_pad", "conv_same_even"])
 def test_factors_do_not_depend_on_batch_split(case: str, scaling: str) -> None:
     """1 micro-batch of 64 and 4 accumulated micro-batches of 16 (loss / 4) give the same A and G."""

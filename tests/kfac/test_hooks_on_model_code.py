@@ -26,7 +26,9 @@ D = torch.float64
 
 
 def one_step(model: nn.Module, loss_fn, **kwargs) -> KFACPreconditioner:  # type: ignore[no-untyped-def]
-    """One factor step with ``factor_decay=0``: the running factors are this batch's factors."""
+    """One factor step with ``factor_decay=0``: the running factors are this batch's factors, under the
+    ``per_example`` convention :func:`dense_linear_factors` defines (unless ``kwargs`` set another)."""
+    kwargs.setdefault("factor_scaling", "per_example")
     p = KFACPreconditioner(model, factor_decay=0.0, kl_clip=None, **kwargs)
     loss_fn(model).backward()
     p.step()

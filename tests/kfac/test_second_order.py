@@ -146,7 +146,7 @@ def test_engine_gradient_equals_dense_solve_from_independent_factors(
     clone = Probe(make(), out_features)
     clone.load_state_dict(model.state_dict())
     delta = per_example_output_grads(clone.layer, x, clone.head, y)
-    A, G = kfac_factors(clone.layer, x, delta, "per_example")
+    A, G = kfac_factors(clone.layer, x, delta, "expand")  # the default convention
     dense = eigen_dense if method == "eigen" else inverse_dense
     torch.testing.assert_close(got, dense(A, G, grad, damping), rtol=1e-7, atol=1e-10)
     # Parameters K-FAC does not precondition keep their plain gradient.

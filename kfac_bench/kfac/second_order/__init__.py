@@ -32,6 +32,7 @@ __all__ = [
     "RankRule",
     "Result",
     "SecondOrderMethod",
+    "expected_seconds",
     "second_order_method",
 ]
 
@@ -77,6 +78,19 @@ class SecondOrderMethod(Protocol):
     ) -> torch.Tensor:
         """The preconditioned ``(g_dim, a_dim)`` gradient, in ``grad``'s dtype."""
         ...
+
+
+#: ``n³`` units (a dense ``eigh`` of an n×n factor, :meth:`SecondOrderMethod.decomposition_cost`) per second:
+#: one CPU thread (a 4096² float32 ``eigh`` took 70 s on the project's shared 2-core machine), and a GPU.
+N3_PER_SECOND_CPU_THREAD = 1e9
+N3_PER_SECOND_CUDA = 5e10
+
+
+def expected_seconds(cost: float, cuda: bool, threads: int = 1) -> float:
+    """A rough wall time of decompositions of total ``cost`` (``n³`` units): for a log line before a long
+    decomposition step, not for scheduling (CPU ``eigh`` scales poorly with threads: √threads assumed)."""
+    rate = N3_PER_SECOND_CUDA if cuda else N3_PER_SECOND_CPU_THREAD * max(1, threads) ** 0.5
+    return cost / rate
 
 
 def second_order_method(
