@@ -97,7 +97,10 @@ class RunLength:
         per_epoch = None
         if self.examples is not None:
             per_epoch = steps_per_epoch(
-                self.examples, world_size, self.rank_batch(world_size), self.micro_batches(world_size)
+                self.examples,
+                world_size,
+                self.rank_batch(world_size),
+                self.micro_batches(world_size),
             )
         if per_epoch is not None and per_epoch > 0:
             by_epochs = self.epochs * per_epoch
