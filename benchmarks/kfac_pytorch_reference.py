@@ -110,8 +110,9 @@ class Reference:
         and takes any callable returning the scale). Its own ``update_factors_in_hook=True`` (factors
         computed in the module hooks, during forward and backward) and ``loglevel`` keep their defaults.
         Our arguments it has no counterpart for must hold its fixed behaviour (:data:`_REFERENCE_FIXED`),
-        else they are reported: ``factor_scaling`` always is (ours defaults to ``'per_example'``, the
-        reference's ``get_cov`` is our ``'kaisa'``; a scalar per factor, the same FLOPs).
+        else they are reported: ``factor_scaling`` always is (ours defaults to ``'expand'``, the
+        reference's ``get_cov`` is our ``'kaisa'``, the SC20-era code's our ``'per_example'``; a scalar per
+        factor, the same FLOPs).
         """
         ours = {**engine_defaults(), **a}
         unmatched: dict[str, str] = {}

@@ -275,7 +275,5 @@ def test_sc20_era_reference_gets_what_it_takes(tmp_path: Path, isolated: None) -
         "distribute_layer_factors": None,
     }
     _, unmatched = reference.arguments(_tiny(), {**ours, "skip_layers": ("fc",)})
-    assert set(unmatched) == {
-        "placement",
-        "skip_layers",
-    }  # ours LPT by default; it takes no skip list
+    # ours LPT and K-FAC-expand by default (its round robin, KFC's per-example factors); it takes no skip list
+    assert set(unmatched) == {"factor_scaling", "placement", "skip_layers"}

@@ -205,7 +205,7 @@ def test_phase1_smoke_trains_on_real_shards(smoke_runs: dict[str, Path], arm: st
 @pytest.mark.slow
 def test_both_arms_see_the_same_data_and_differ_only_by_kfac(smoke_runs: dict[str, Path]) -> None:
     lamb, kfac = (_summary(smoke_runs[a])["config"] for a in ("lamb", "kfac"))
-    assert {k for k in lamb if lamb[k] != kfac[k]} == {"kfac", "name"}
+    assert {k for k in lamb if lamb[k] != kfac[k]} == {"kfac", "name", "tuning"}  # tuning: its arm
     first = (_evals(smoke_runs[a])[0]["samples"] for a in ("lamb", "kfac"))
     assert len(set(first)) == 1
 
