@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from kfac_bench.commands import train as train_command
+from kfac_bench.compare.fairness import run_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [
@@ -122,8 +123,9 @@ def test_a_documented_sweep_runs_a_tuned_baseline_against_kfac(
 
 
 def check_baselines(where: str, sweep: Path) -> None:
-    """The sweep's runs include a first-order baseline and K-FAC, and every baseline carries its own
-    first-order tuning record, whose values its config has."""
+    """The sweep's runs include a first-order baseline and K-FAC, every baseline carries its own
+    first-order tuning record, whose values its config has, and compare raises no fairness flag on any
+    run."""
     summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
     assert summaries, f"{where}: no run finished"
     baselines = [s for s in summaries if not s["kfac_enabled"]]
@@ -136,3 +138,5 @@ def check_baselines(where: str, sweep: Path) -> None:
         for path, value in _leaves(tuning["values"]):
             if not path.startswith("kfac."):
                 assert _get(config, path) == pytest.approx(value), f"{where}: {path}"
+    flags = [f for s in summaries for f in run_flags(s, s["name"])]
+    assert flags == [], f"{where}: compare flags {flags}"
