@@ -198,7 +198,7 @@ def environment(ctx: StepContext) -> None:
             d[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             d[pkg] = None
-    from kfac_bench.metrics.summary import git_commit
+    from kfac_bench.metrics.environment import git_commit
 
     d["git_commit"] = git_commit(REPO)
     if torch.cuda.is_available() and not ctx.dry:

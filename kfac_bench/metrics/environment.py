@@ -26,24 +26,38 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["git_dirty", "run_environment"]
+__all__ = ["git_commit", "git_dirty", "git_output", "run_environment"]
 
 #: Installed packages whose versions a run records.
 PACKAGES = ("torch", "torchvision", "transformers")
 _DRIVER_FILE = Path("/proc/driver/nvidia/version")
 
 
-def git_dirty(start: Path | None = None) -> bool | None:
-    """Whether the git work tree holding ``start`` (default: the kfac-bench sources) differs from its
-    commit; None outside a git checkout or without git."""
+def git_output(args: list[str], start: Path | None = None, timeout: float = 10) -> str | None:
+    """``git ARGS``' output in the work tree holding ``start`` (default: the kfac-bench sources); None
+    outside a git checkout, without git, or when it fails."""
     where = start or Path(__file__).resolve().parent
     try:
         out = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=where, capture_output=True, text=True, timeout=10
+            ["git", *args], cwd=where, capture_output=True, text=True, timeout=timeout
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    return bool(out.stdout.strip()) if out.returncode == 0 else None
+    return out.stdout if out.returncode == 0 else None
+
+
+def git_commit(start: Path | None = None) -> str | None:
+    """The commit of the work tree holding ``start`` (default: the kfac-bench sources), or None outside
+    a git checkout."""
+    out = git_output(["rev-parse", "HEAD"], start, timeout=5)
+    return out.strip() or None if out is not None else None
+
+
+def git_dirty(start: Path | None = None) -> bool | None:
+    """Whether the git work tree holding ``start`` (default: the kfac-bench sources) differs from its
+    commit; None outside a git checkout or without git."""
+    out = git_output(["status", "--porcelain"], start)
+    return bool(out.strip()) if out is not None else None
 
 
 def _version(package: str) -> str | None:

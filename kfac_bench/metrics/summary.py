@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import os
 import resource
-import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kfac_bench import safe_files
-from kfac_bench.metrics.environment import run_environment
+from kfac_bench.metrics.environment import git_commit, run_environment
 from kfac_bench.metrics.sinks import json_safe
 from kfac_bench.metrics.timekeeping import TargetTracker, Throughput
 
@@ -25,7 +24,6 @@ __all__ = [
     "arm_label",
     "campaign",
     "first_order",
-    "git_commit",
     "peak_memory_bytes",
     "read_summary",
     "report_line",
@@ -49,18 +47,6 @@ def campaign(config: dict[str, Any]) -> str | None:
     if given is not None:
         return str(given)
     return os.environ.get(CAMPAIGN_ENV) or None
-
-
-def git_commit(start: Path | None = None) -> str | None:
-    """The commit of the kfac-bench source tree, or None outside a git checkout."""
-    where = start or Path(__file__).resolve().parent
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=5
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def peak_memory_bytes(device: torch.device) -> dict[str, int]:
