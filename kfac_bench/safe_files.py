@@ -26,7 +26,9 @@ import fcntl
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from kfac_bench.errors import UserError
 
@@ -37,6 +39,7 @@ __all__ = [
     "open_in_place",
     "read_head",
     "refusal",
+    "replace_file",
     "temp_file",
     "write_atomic",
 ]
@@ -111,9 +114,11 @@ def ensure_dir(path: Path | str) -> Path:
     return path
 
 
-def write_atomic(path: Path | str, data: bytes | str, *, fsync: bool = False) -> Path:
-    """Replace ``path`` with a file holding ``data`` (text is UTF-8), so that readers see the old or the
-    new content, never a part, and nothing is written through a link.
+def replace_file(
+    path: Path | str, write: Callable[[BinaryIO], object], *, fsync: bool = False
+) -> Path:
+    """Replace ``path`` with a file that ``write`` fills (given the open binary file), so that readers see
+    the old or the new content, never a part, and nothing is written through a link.
 
     Raises:
         LinkRefused: ``path`` is a symbolic link (its target is left as it was).
@@ -121,12 +126,10 @@ def write_atomic(path: Path | str, data: bytes | str, *, fsync: bool = False) ->
     """
     path = Path(path)
     check_not_link(path)
-    if isinstance(data, str):
-        data = data.encode("utf-8")
     fd, tmp = _new_temp(path.parent, path.name)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
@@ -135,6 +138,12 @@ def write_atomic(path: Path | str, data: bytes | str, *, fsync: bool = False) ->
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_atomic(path: Path | str, data: bytes | str, *, fsync: bool = False) -> Path:
+    """Replace ``path`` with a file holding ``data`` (text is UTF-8): :func:`replace_file`."""
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    return replace_file(path, lambda f: f.write(raw), fsync=fsync)
 
 
 def temp_file(folder: Path | str, name: str) -> tuple[int, Path]:

@@ -17,10 +17,8 @@ file to load; every rank reads it.
 
 from __future__ import annotations
 
-import os
 import random
 import sys
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -268,17 +266,7 @@ def save_atomic(obj: dict[str, Any], path: Path) -> None:
     """``torch.save(obj)`` to ``path`` so that readers see either the old or the new file, never a partial
     one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    safe_files.check_not_link(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    safe_files.replace_file(path, lambda f: torch.save(obj, f), fsync=True)
 
 
 class RNGState:
