@@ -13,6 +13,9 @@ temporary file) pointing at a file of the job's user. Every write therefore goes
   is refused too);
 * :func:`ensure_dir`: a folder the run writes into (``checkpoints/``, ``tb/``), refused if it is a link.
 
+Outside run directories, :func:`output_folder` is the folder a command writes its results into (``compare``,
+``plan``), made or refused in one line.
+
 A refusal is a :class:`LinkRefused`: one line naming the planted path and what it points at; the target is
 never opened for writing. The run directory's own path, and the folders above it, are the user's to choose
 and are not checked.
@@ -37,6 +40,7 @@ __all__ = [
     "check_not_link",
     "ensure_dir",
     "open_in_place",
+    "output_folder",
     "read_head",
     "refusal",
     "replace_file",
@@ -112,6 +116,25 @@ def ensure_dir(path: Path | str) -> Path:
     if os.path.islink(path) or not path.is_dir():
         raise refusal(path)
     return path
+
+
+def output_folder(out: Path | str, named: str, what: str) -> Path:
+    """``out``, created with its parents, for a command's results (``what``, e.g. "the comparison's
+    files"); ``named`` is how the error names it (``--out 'DIR'``, ``plan.out=DIR``).
+
+    Raises:
+        UserError: ``out`` is a file, or cannot be created (one line).
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{named} is a file, not a folder: give a folder for {what}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(
+            f"{named} cannot be created ({exc.strerror}): give a writable folder"
+        ) from None
+    return out
 
 
 def replace_file(

@@ -74,18 +74,6 @@ def writable_folder(out: Path) -> None:
         )
 
 
-def _make_folder(out: Path) -> Path:
-    from kfac_bench.errors import UserError
-
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(
-            f"plan.out={out} cannot be created ({exc.strerror}): give a writable folder"
-        ) from None
-    return out
-
-
 def main(args: Sequence[str]) -> int:
     """``kfac-bench plan ARGS``: prints the tables, writes ``plan.json``, ``plan.png`` and, with a profile,
     ``time_to_solution.png``."""
@@ -149,9 +137,10 @@ def main(args: Sequence[str]) -> int:
             "reason": "no measured baseline step: give plan.profile_file=PROFILE.yaml (make gpu-check "
             "writes one on a GPU; profiles/ has the paper's)"
         }
-    out = _make_folder(
-        out_parent if cfg.out is not None else out_parent / f"{planned.recipe}_{stamp}"
-    )
+    from kfac_bench.safe_files import output_folder
+
+    out = out_parent if cfg.out is not None else out_parent / f"{planned.recipe}_{stamp}"
+    out = output_folder(out, f"plan.out={out}", "the plan's files")
     (out / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")
     written = [out / "plan.json", plot_plan(plan, out / "plan.png")]
     if plan["time_to_solution"]:

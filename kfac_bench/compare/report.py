@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kfac_bench import safe_files
 from kfac_bench.compare.arms import Group, Spread, choose_baseline, group_runs
 from kfac_bench.compare.fairness import fairness_flags
 from kfac_bench.compare.runs import RunRecord, is_run, read_run, run_dirs, warn
@@ -422,18 +423,7 @@ def output_dir(out: Path | str) -> Path:
     Raises:
         UserError: ``out`` is a file, or cannot be created.
     """
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise UserError(
-            f"--out '{out}' is a file, not a folder: give a folder for the comparison's files"
-        )
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(
-            f"--out '{out}' cannot be created ({exc.strerror}): give a writable folder"
-        ) from None
-    return out
+    return safe_files.output_folder(out, f"--out '{out}'", "the comparison's files")
 
 
 def write_outputs(
