@@ -18,16 +18,7 @@ from kfac_bench.checkpoint import files as checkpoint_files
 from kfac_bench.checkpoint.manager import CheckpointManager
 from kfac_bench.errors import UserError
 
-from .stateful import Counter
-
-
-def _saved(folder: Path, steps: list[int], keep: int = 2) -> CheckpointManager:
-    counter = Counter()
-    manager = CheckpointManager(folder, {"counter": counter}, keep=keep)
-    for step in steps:
-        counter.value = step * 10
-        manager.save(step)
-    return manager
+from .stateful import Counter, saved
 
 
 def _files(folder: Path) -> list[str]:
@@ -35,7 +26,7 @@ def _files(folder: Path) -> list[str]:
 
 
 def test_keeps_the_newest_k_with_manifests_and_last_pt(tmp_path: Path) -> None:
-    _saved(tmp_path, [3, 6, 9], keep=2)
+    saved(tmp_path, [3, 6, 9], keep=2)
     assert _files(tmp_path) == [
         "last.pt",
         "step-00000006.json",
@@ -57,7 +48,7 @@ def test_keeps_the_newest_k_with_manifests_and_last_pt(tmp_path: Path) -> None:
 def test_a_bad_newest_falls_back_with_one_warning(
     tmp_path: Path, damage: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _saved(tmp_path, [3, 6], keep=2)
+    saved(tmp_path, [3, 6], keep=2)
     newest = tmp_path / "step-00000006.pt"
     data = newest.read_bytes()
     if damage == "truncated":
@@ -92,7 +83,7 @@ def test_a_bad_newest_falls_back_with_one_warning(
 
 
 def test_none_good_is_one_line_naming_every_file(tmp_path: Path) -> None:
-    _saved(tmp_path, [3, 6], keep=2)
+    saved(tmp_path, [3, 6], keep=2)
     for step in (3, 6):
         (tmp_path / f"step-{step:08d}.pt").write_bytes(b"x")
     with pytest.raises(UserError) as info:
@@ -123,7 +114,7 @@ def test_a_legacy_last_pt_that_is_good_is_read(tmp_path: Path) -> None:
 
 
 def test_orphaned_temporary_files_are_removed_by_the_owner_only(tmp_path: Path) -> None:
-    manager = _saved(tmp_path, [3])
+    manager = saved(tmp_path, [3])
     orphans = [tmp_path / ".step-00000006.pt.4242.tmp", tmp_path / ".last.pt.abc.tmp"]
     for path in orphans:
         path.write_bytes(b"half a checkpoint")
@@ -136,7 +127,7 @@ def test_orphaned_temporary_files_are_removed_by_the_owner_only(tmp_path: Path) 
 def test_a_failed_write_is_one_line_and_loses_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
 ) -> None:
-    manager = _saved(tmp_path, [3, 6])
+    manager = saved(tmp_path, [3, 6])
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     real_write = checkpoint_files._HashingWriter.write
     written = [0]
@@ -162,7 +153,7 @@ def test_a_failed_write_is_one_line_and_loses_nothing(
 def test_order_is_by_save_not_by_step(tmp_path: Path) -> None:
     # A run restarted from step 3 (train.resume=false, or after a fallback) saves step 4 after an
     # abandoned step 9: step 4 is the newest.
-    _saved(tmp_path, [3, 9], keep=3)
+    saved(tmp_path, [3, 9], keep=3)
     counter = Counter(40)
     CheckpointManager(tmp_path, {"counter": counter}, keep=3).save(4)
     assert CheckpointManager(tmp_path, {"counter": Counter()}).read()["step"] == 4  # type: ignore[index]

@@ -15,16 +15,7 @@ import pytest
 from kfac_bench.checkpoint.manager import CheckpointManager
 from kfac_bench.errors import UserError
 
-from .stateful import Counter
-
-
-def _saved(folder: Path, steps: list[int], keep: int = 2) -> CheckpointManager:
-    counter = Counter()
-    manager = CheckpointManager(folder, {"counter": counter}, keep=keep)
-    for step in steps:
-        counter.value = step * 10
-        manager.save(step)
-    return manager
+from .stateful import Counter, saved
 
 
 def _tree(folder: Path) -> dict[str, bytes]:
@@ -34,7 +25,7 @@ def _tree(folder: Path) -> dict[str, bytes]:
 def test_a_checkpoint_without_a_manifest_is_never_loaded_overwritten_or_pruned(
     tmp_path: Path,
 ) -> None:
-    _saved(tmp_path / "elsewhere", [3])
+    saved(tmp_path / "elsewhere", [3])
     folder = tmp_path / "run" / "checkpoints"
     folder.mkdir(parents=True)
     stranger = folder / "step-00000006.pt"  # a good checkpoint, copied in without its manifest
@@ -66,7 +57,7 @@ def test_a_checkpoint_without_a_manifest_is_never_loaded_overwritten_or_pruned(
 
 def test_a_checkpoints_folder_that_is_a_link_is_refused(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
-    _saved(shared, [3, 6])  # another run's checkpoints, with their manifests
+    saved(shared, [3, 6])  # another run's checkpoints, with their manifests
     before = _tree(shared)
     run = tmp_path / "run"
     run.mkdir()
@@ -98,7 +89,7 @@ CORRUPT = {
 def test_a_corrupt_manifest_is_set_aside_and_the_resume_falls_back(
     tmp_path: Path, damage: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _saved(tmp_path, [3, 6])
+    saved(tmp_path, [3, 6])
     path = tmp_path / "step-00000006.json"
     bad = CORRUPT[damage](json.loads(path.read_text()))
     if isinstance(bad, bytes):
@@ -120,11 +111,11 @@ def test_a_corrupt_manifest_is_set_aside_and_the_resume_falls_back(
 def test_a_save_interrupted_before_its_file_was_in_place_is_no_checkpoint(tmp_path: Path) -> None:
     # The manifest is written before the file is renamed into place: killed in between, the folder holds
     # a manifest whose file is missing. As the only one it leaves nothing to resume; else the older one.
-    _saved(tmp_path, [3])
+    saved(tmp_path, [3])
     (tmp_path / "step-00000003.pt").unlink()
     (tmp_path / "last.pt").unlink()
     assert CheckpointManager(tmp_path, {"counter": Counter()}).load() is False
-    _saved(tmp_path / "two", [3, 6])
+    saved(tmp_path / "two", [3, 6])
     (tmp_path / "two" / "step-00000006.pt").unlink()
     counter = Counter()
     assert CheckpointManager(tmp_path / "two", {"counter": counter}).load() and counter.value == 30
