@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
 from kfac_bench.checkpoint.elastic import World, accumulation_for
@@ -30,7 +29,7 @@ from kfac_bench.checkpoint.manager import (
 )
 from kfac_bench.config.compose import instantiate
 from kfac_bench.config.kfac_adapter import build_preconditioner
-from kfac_bench.config.schema import Precision
+from kfac_bench.config.schema import Precision, RunConfig, TrainConfig
 from kfac_bench.data.base import DataSplits
 from kfac_bench.data.batching import BatchLayout, batch_layout
 from kfac_bench.data.loader import build_loaders
@@ -103,7 +102,7 @@ def _autocast(device: torch.device, precision: Precision) -> Callable[[], Any]:
 
 
 def build_run(
-    cfg: DictConfig,
+    cfg: RunConfig,
     run_dir: Path,
     env: DistEnv,
     device: torch.device,
@@ -142,7 +141,7 @@ def build_run(
         pin_memory=device.type == "cuda",
         eval_batch_size=t.eval_batch_size,
     )
-    batches, world = _batches(cfg, splits, env.world_size, starting_world_size or env.world_size)
+    batches, world = _batches(t, splits, env.world_size, starting_world_size or env.world_size)
     sampler.cover(batches.steps_per_epoch * batches.global_batch)
     w0 = world.world_size  # the hyperparameters' world size
     max_steps = min(t.epochs * batches.steps_per_epoch, t.max_steps or sys.maxsize)
@@ -267,7 +266,7 @@ def build_run(
 
 
 def _batches(
-    cfg: DictConfig, splits: DataSplits, world_size: int, starting_world_size: int
+    t: TrainConfig, splits: DataSplits, world_size: int, starting_world_size: int
 ) -> tuple[BatchLayout, World]:
     """This job's batch layout and the run's starting world: the epoch and the global batch are planned on
     ``starting_world_size`` ranks; ``world_size`` ranks keep them with their own accumulation.
@@ -275,7 +274,6 @@ def _batches(
     Raises:
         ConfigError: the batch sizes do not fit, or ``world_size`` cannot keep the global batch.
     """
-    t = cfg.train
     n = len(splits.train)  # type: ignore[arg-type]
     start = batch_layout(
         samples_per_rank=math.ceil(n / starting_world_size),  # DistributedSampler's shard

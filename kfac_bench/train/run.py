@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import copy
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from kfac_bench.checkpoint import elastic, warm_start
 from kfac_bench.checkpoint.manager import CHECKPOINT_DIR
+from kfac_bench.config.schema import RunConfig
 from kfac_bench.consensus import from_main
 from kfac_bench.data.batching import global_batch_note, rank_batch
 from kfac_bench.data.loader import shutdown_workers
@@ -22,7 +25,7 @@ from kfac_bench.launcher.signals import EXIT_REQUEUE, PreemptionFlag
 from kfac_bench.metrics import summary
 from kfac_bench.metrics.environment import run_environment
 from kfac_bench.metrics.sinks import check_log_dir
-from kfac_bench.metrics.summary import arm_label
+from kfac_bench.metrics.summary import label_of_arm
 from kfac_bench.metrics.trackers import Tracker, open_tracker
 from kfac_bench.train.build import Run, build_run, seed_everything
 from kfac_bench.train.loop import run_loop
@@ -39,15 +42,22 @@ def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def train(cfg: DictConfig, run_dir: Path, run_dir_from_rank_0: bool = False) -> int:
+def train(
+    cfg: RunConfig,
+    run_dir: Path,
+    run_dir_from_rank_0: bool = False,
+    on_claim: Callable[[Path], None] | None = None,
+) -> int:
     """Train as configured, writing everything under ``run_dir``; returns the process exit status.
     ``run_dir_from_rank_0`` (every rank passes the same): the ranks share rank 0's ``run_dir``.
+    ``on_claim``: called with the run directory by the rank that claims it, right after the claim.
 
     Raises:
         UserError: one line (the run directory is in use or records another config, no checkpoint is
             good, a checkpoint cannot be written); raised on every rank, printed by rank 0.
     """
     run_dir = Path(run_dir)
+    started_at = time.time()  # the run's span in summary.json: compare checks the arms' schedule
     # Before anything slow: a preemption signal during setup is kept and honoured at the first step.
     flag = PreemptionFlag().install()
     env = distributed.detect()
@@ -58,8 +68,8 @@ def train(cfg: DictConfig, run_dir: Path, run_dir_from_rank_0: bool = False) -> 
         distributed.setup(env, device)
         if run_dir_from_rank_0:
             run_dir = Path(from_main(str(run_dir.resolve())))
-        owns_lock = _claim(cfg, run_dir, env)
-        status = _train(cfg, run_dir, env, device, flag)
+        owns_lock = _claim(cfg, run_dir, env, on_claim)
+        status = _train(cfg, run_dir, env, device, flag, started_at)
     finally:
         flag.restore()
         distributed.cleanup(synchronize=status is not None)
@@ -72,14 +82,22 @@ def train(cfg: DictConfig, run_dir: Path, run_dir_from_rank_0: bool = False) -> 
     return code
 
 
-def _claim(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv) -> bool:
-    """Rank 0 claims the run directory (unless its launcher holds it); every rank learns the outcome.
-    Returns whether this process took the lock."""
+def _claim(
+    cfg: RunConfig,
+    run_dir: Path,
+    env: distributed.DistEnv,
+    on_claim: Callable[[Path], None] | None = None,
+) -> bool:
+    """Rank 0 claims the run directory (unless its launcher holds it), then calls ``on_claim``; every
+    rank learns the outcome. Returns whether this process took the lock."""
     error, took = None, False
     if env.is_main and not rundir.locked_by_launcher(run_dir):
         try:
+            rundir.make_run_dir(run_dir)
             rundir.claim(run_dir, cfg)
             took = True
+            if on_claim is not None:
+                on_claim(run_dir)
         except UserError as exc:
             error = str(exc)
     error = from_main(error)
@@ -89,11 +107,12 @@ def _claim(cfg: DictConfig, run_dir: Path, env: distributed.DistEnv) -> bool:
 
 
 def _train(
-    cfg: DictConfig,
+    cfg: RunConfig,
     run_dir: Path,
     env: distributed.DistEnv,
     device: torch.device,
     flag: PreemptionFlag,
+    started_at: float,
 ) -> str:
     init_from = cfg.train.init_from
     if init_from is not None and not (run_dir / CHECKPOINT_DIR).is_dir():
@@ -148,7 +167,7 @@ def _train(
     if env.is_main:
         print(
             f"kfac-bench: run dir {run_dir} | world {env.world_size} on {device} | "
-            f"{arm_label(_arm_facts(cfg, loop.precond is not None))} | "
+            f"{_arm(cfg, loop.precond is not None)} | "
             f"{run.batches.steps_per_epoch} steps/epoch, "
             + (batch["global_batch_note"] or f"global batch {run.batches.global_batch}")
             + (
@@ -190,7 +209,8 @@ def _train(
         assert status is not None  # run_loop returned
         result = None
         try:
-            result = _summarize(cfg, run_dir, run, env, device, status, batch)
+            span = {"started_at": started_at, "ended_at": time.time()}
+            result = _summarize(cfg, run_dir, run, env, device, status, {**batch, **span})
         finally:  # TensorBoard's HParams and the tracker get the summary; closed even if it failed
             run.recorder.finish(result, status)
         print(summary.report_line(result, run_dir), flush=True)
@@ -210,7 +230,7 @@ def _train(
 
 
 def open_side_channels(
-    cfg: DictConfig, run_dir: Path, env: distributed.DistEnv, device: torch.device
+    cfg: RunConfig, run_dir: Path, env: distributed.DistEnv, device: torch.device
 ) -> Tracker | None:
     """Before anything is built, rank 0 checks the TensorBoard folder (``train.tensorboard``) and opens
     the experiment tracker (``train.tracker``); a refusal (one line naming the fix) stops every rank.
@@ -262,15 +282,16 @@ def _finished_summary(run_dir: Path, loop: Any) -> dict[str, Any] | None:
 
 
 def _summarize(
-    cfg: DictConfig,
+    cfg: RunConfig,
     run_dir: Path,
     run: Run,
     env: distributed.DistEnv,
     device: torch.device,
     status: str,
-    batch: dict[str, Any],
+    facts: dict[str, Any],
 ) -> dict[str, Any]:
-    """Save the task's outputs, then write and return ``summary.json`` (rank 0)."""
+    """Save the task's outputs, then write and return ``summary.json`` (rank 0) with ``facts`` (the
+    batch's, and the span the run trained in) added."""
     loop, state = run.loop, run.loop.state
     save_outputs = getattr(loop.task, "save_outputs", None)  # optional (tasks/base.py)
     if save_outputs is not None:
@@ -292,14 +313,14 @@ def _summarize(
         config=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
         divergence=loop.divergence,
     )
-    result.update(batch)
+    result.update(facts)
     if loop.step_timer is not None:  # train.mode=benchmark
         result["benchmark"] = loop.step_timer.summary()
     summary.write_summary(run_dir, result)
     return result
 
 
-def _keep_global_batch(cfg: DictConfig, world_size: int) -> DictConfig:
+def _keep_global_batch(cfg: RunConfig, world_size: int) -> RunConfig:
     """``cfg`` with each rank's micro-batch cut to its share of a stated global batch on ``world_size``
     ranks (the run's starting world), so that more ranks run the recipe's experiment, not a larger batch
     at the same learning rate (:func:`kfac_bench.data.batching.rank_batch`)."""
@@ -312,7 +333,7 @@ def _keep_global_batch(cfg: DictConfig, world_size: int) -> DictConfig:
     return cfg
 
 
-def _batch_facts(cfg: DictConfig, run: Run) -> dict[str, Any]:
+def _batch_facts(cfg: RunConfig, run: Run) -> dict[str, Any]:
     """``global_batch``, ``recipe_global_batch`` and ``global_batch_note`` (None: the recipe's batch) of
     ``summary.json``; the note is also the start line's."""
     b = run.batches
@@ -331,15 +352,9 @@ def _batch_facts(cfg: DictConfig, run: Run) -> dict[str, Any]:
     }
 
 
-def _arm_facts(cfg: DictConfig, kfac_on: bool) -> dict[str, Any]:
-    """What :func:`arm_label` reads of a summary: the optimizer and the K-FAC strategy."""
-    return {
-        "kfac_enabled": kfac_on,
-        "config": {
-            "optimizer": {
-                "name": str(cfg.optimizer.name.value),
-                "nesterov": cfg.optimizer.get("nesterov"),
-            },
-            "kfac": {"grad_worker_fraction": cfg.kfac.get("grad_worker_fraction")},
-        },
-    }
+def _arm(cfg: RunConfig, kfac_on: bool) -> str:
+    """The run's arm as compare labels it: its optimizer and K-FAC strategy."""
+    o = cfg.optimizer
+    return label_of_arm(
+        str(o.name.value), bool(o.nesterov), cfg.kfac.grad_worker_fraction if kfac_on else None
+    )

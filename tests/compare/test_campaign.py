@@ -19,7 +19,7 @@ from kfac_bench.compare.fairness import run_flags
 from kfac_bench.compare.report import Comparison, default_out, find_runs, table_rows
 from kfac_bench.config.compose import compose_run
 from kfac_bench.errors import UserError
-from kfac_bench.metrics.summary import CAMPAIGN_ENV, campaign, read_summary, write_summary
+from kfac_bench.metrics.summary import campaign, read_summary, write_summary
 from tests.compare.test_arms import curve, make_run
 
 
@@ -165,13 +165,10 @@ def test_a_run_given_twice_is_read_once(tmp_path: Path) -> None:
     assert len(runs) == 2 and warnings == [f"{a}: left out: given twice"]
 
 
-def test_the_campaign_is_train_campaign_else_the_sweep_folder_else_none(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv(CAMPAIGN_ENV, raising=False)
+def test_the_campaign_is_train_campaign_else_none() -> None:
+    # A sweep's jobs get their folder as train.campaign when they are composed (tests/config/test_jobs.py).
     assert campaign({"train": {"campaign": None}}) is None
-    monkeypatch.setenv(CAMPAIGN_ENV, "runs/multirun/2026-12-04_10-00-00_abcdef")
-    assert campaign({"train": {}}) == "runs/multirun/2026-12-04_10-00-00_abcdef"
+    assert campaign({"train": {}}) is None
     assert campaign({"train": {"campaign": "lr-study"}}) == "lr-study"
 
 
