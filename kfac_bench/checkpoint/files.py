@@ -320,7 +320,7 @@ def write_checkpoint(folder: Path, payload: dict[str, Any], step: int, keep: int
         seq = max((c.seq for c in found), default=0) + 1
         fd, tmp = safe_files.temp_file(folder, path.name)
         with os.fdopen(fd, "wb") as f:
-            writer = _HashingWriter(f)  # type: ignore[arg-type]
+            writer = _HashingWriter(f)
             torch.save(payload, writer)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())

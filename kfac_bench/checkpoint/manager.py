@@ -331,7 +331,7 @@ class PreconditionerState:
         self.precond = precond
 
     def state_dict(self) -> dict[str, Any]:
-        return self.precond.state_dict(include_decompositions=True)  # type: ignore[no-any-return]
+        return self.precond.state_dict(include_decompositions=True)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.precond.load_state_dict(state_dict)

@@ -171,10 +171,15 @@ def chain_rows(chains: Sequence[Chain]) -> list[dict[str, Any]]:
         )
     base = rows[0]["time_to_solution_s"] if rows else None
     for row in rows:
-        total = row["time_to_solution_s"]
         # As compare's table: the chain's time over the baseline's (< 1: faster).
-        row["time_ratio"] = total / base if base and total is not None else None
+        row["time_ratio"] = _ratio(row["time_to_solution_s"], base)
     return rows
+
+
+def _ratio(total: Any, base: Any) -> float | None:
+    if isinstance(total, (int, float)) and isinstance(base, (int, float)) and base:
+        return float(total) / float(base)
+    return None
 
 
 def _cell(key: str, value: Any) -> str:

@@ -142,7 +142,7 @@ def instances_from_document(
         # Shorter sequences now and then so the model also sees lengths it meets when fine-tuned.
         target_length = rng.randint(2, max_num_tokens)
     instances: list[Instance] = []
-    chunk: list[list[int]] = []
+    chunk: list[Sequence[int]] = []
     chunk_length = 0
     i = 0
     while i < len(document):

@@ -402,7 +402,10 @@ def open_tracker(
     Raises:
         UserError: the tracker cannot be opened (one line naming the fix).
     """
-    kinds = {"mlflow": MLflowTracker, "wandb": WandbTracker}
+    kinds: dict[str, type[MLflowTracker] | type[WandbTracker]] = {
+        "mlflow": MLflowTracker,
+        "wandb": WandbTracker,
+    }
     if kind not in kinds:
         return None
     tracker = kinds[kind](run_dir, config, uri, project, environment)
