@@ -169,7 +169,9 @@ def test_the_default_output_is_a_fresh_folder_under_runs(
     assert main(["plan", "+recipe=digits", "plan.world_sizes=[2]"]) == 0
     (folder,) = (tmp_path / "runs" / "plan").iterdir()
     # <recipe>_<date>-<time>_<6 random hex digits>: two plans in one second get two folders.
-    assert folder.name.startswith("digits_") and len(folder.name) == len("digits_20260101-000000_a1b2c3")
+    assert folder.name.startswith("digits_") and len(folder.name) == len(
+        "digits_20260101-000000_a1b2c3"
+    )
     assert sorted(p.name for p in folder.iterdir()) == ["plan.json", "plan.png"]
     plan = json.loads((folder / "plan.json").read_text())
     assert plan["time_to_solution"] == []

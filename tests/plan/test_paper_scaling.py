@@ -81,7 +81,9 @@ def test_the_cluster_file_is_what_resnet50s_bars_give() -> None:
     assert profile.cluster is not None and profile.bandwidth_bytes and profile.latency_s is not None
     bare = type(profile)(**{**vars(profile), "cluster": None})
     net = Network(profile.bandwidth_bytes, profile.latency_s, "profile")
-    bars = {n: (FIG8["resnet50"]["sgd"][i], FIG8["resnet50"]["comm_opt"][i]) for i, n in enumerate(NS)}
+    bars = {
+        n: (FIG8["resnet50"]["sgd"][i], FIG8["resnet50"]["comm_opt"][i]) for i, n in enumerate(NS)
+    }
     got = cluster_growth(planned, bare, net, planned.length, baseline, bars)
     cluster = profile.cluster
     for n in NS:

@@ -36,6 +36,8 @@ def copy_profile(tmp_path: Path, text: str, name: str = "p.yaml") -> Path:
     path = tmp_path / name
     path.write_text(text)
     return path
+
+
 #: SC20 Table III (64 V100): minutes to the end of training.
 TABLE_III = {"sgd": 178.0, "kfac_interval_100": 152.0, "kfac_interval_500": 128.0}
 
