@@ -358,9 +358,16 @@ def uncertainty(profile: StageProfile) -> tuple[float, str]:
     return BAND_Z * sigma, f"90 % of a normal spread: {BAND_Z} x {words}"
 
 
+#: How far the profile's examples per rank per step may be from the recipe's at the profile's world size:
+#: the compute is scaled per example, which holds near the measured batch; a micro-batch given for a whole
+#: step under accumulation (16 for 2048) is off by far more.
+BATCH_RATIO = 4
+
+
 def check_batch(profile: StageProfile, kfac_arm: RunLength) -> None:
-    """Refuse a profile whose examples per rank per step, at its world size, are not the recipe's there
-    (a micro-batch given for a step under accumulation projects the whole run wrong by that factor).
+    """Refuse a profile whose examples per rank per step, at its world size, are more than
+    :data:`BATCH_RATIO` times more or fewer than the recipe's there (a micro-batch given for a step under
+    accumulation projects the whole run wrong by that factor).
 
     Raises:
         ConfigError: one line naming both batches and the fix.
@@ -373,13 +380,13 @@ def check_batch(profile: StageProfile, kfac_arm: RunLength) -> None:
             f"plan.profile_file={profile.path} was measured at {at.world_size} GPUs, where the recipe "
             f"'{kfac_arm.recipe}' cannot run ({err})"
         ) from None
-    if recipe != at.batch_size:
+    if max(recipe, at.batch_size) > BATCH_RATIO * min(recipe, at.batch_size):
         raise ConfigError(
             f"plan.profile_file={profile.path}: measured_at.batch_size={at.batch_size} at "
             f"{at.world_size} GPUs implies a global batch of {at.batch_size * at.world_size}, but "
             f"'{kfac_arm.recipe}' trains {recipe} examples per rank per step there (global "
             f"{recipe * at.world_size}); batch_size is the examples per rank per optimizer step, all "
-            "micro-batches together"
+            f"micro-batches together (within {BATCH_RATIO}x of the recipe's)"
         )
 
 
