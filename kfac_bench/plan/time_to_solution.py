@@ -37,7 +37,6 @@ computation, data loading beyond the profile's step and I/O at scale are in the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,6 +49,7 @@ from kfac_bench.kfac.options import parse_grad_worker_fraction
 from .cluster import VARIANTS, Variant
 from .costs import RankLoads, Scenario, rank_loads
 from .length import RunLength
+from .network import DEFAULT_BANDWIDTH_GB_S, DEFAULT_LATENCY_US, GRAD_BUCKET_BYTES, Network
 from .recipe import PlannedModel
 from .stage_profile import StageProfile
 
@@ -71,52 +71,12 @@ __all__ = [
 #: HYBRID-OPT in its Fig. 8 and BERT runs).
 STRATEGIES = ("comm_opt", "mem_opt", "hybrid_opt")
 HYBRID_FRACTION = 0.5
-#: Gradient allreduce buckets: ``DistributedDataParallel``'s default ``bucket_cap_mb=25``.
-GRAD_BUCKET_BYTES = 25 * 2**20
-#: Network defaults without a profile's: 100 Gb/s InfiniBand EDR (the papers' V100 cluster) and NCCL's own
-#: model of one ring step over the network (NCCL 2.5 ``src/graph/tuning.cc``, ``hwLat[NET][RING][SIMPLE]``).
-DEFAULT_BANDWIDTH_GB_S = 12.5
-DEFAULT_LATENCY_US = 6.6
 #: Relative uncertainty of a projection whose profile states none and names no cluster: assumed, stated in
 #: the output as such.
 DEFAULT_UNCERTAINTY = 0.10
 #: The band is meant to hold 90 % of measurements: 1.645 standard deviations of a normal spread on either
 #: side (the two-sided 90 % quantile).
 BAND_Z = 1.645
-
-
-@dataclass(frozen=True)
-class Network:
-    """Per-rank bandwidth (bytes/s) and latency per algorithm step (s), with where they come from."""
-
-    bandwidth_bytes: float
-    latency_s: float
-    source: str
-
-    def allreduce(self, nbytes: float, world: int, calls: int = 1) -> float:
-        """Ring allreduce: ``2(p-1)/p · bytes / bandwidth + 2(p-1) · latency`` per call."""
-        if world <= 1 or nbytes <= 0:
-            return 0.0
-        steps = 2 * (world - 1)
-        return steps / world * nbytes / self.bandwidth_bytes + steps * self.latency_s * calls
-
-    def reduce(self, nbytes: float, world: int, calls: int = 1) -> float:
-        """Ring reduce: half an allreduce."""
-        return self.allreduce(nbytes, world, calls) / 2
-
-    def broadcast(self, nbytes: float, group: int, calls: int = 1) -> float:
-        """Minimum-spanning-tree broadcast: ``ceil(log2 p)`` rounds of the payload (KAISA §3.1's O(log p))."""
-        if group <= 1 or nbytes <= 0:
-            return 0.0
-        rounds = math.ceil(math.log2(group))
-        return rounds * (nbytes / self.bandwidth_bytes + self.latency_s * calls)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "bandwidth_bytes_per_s": self.bandwidth_bytes,
-            "latency_s": self.latency_s,
-            "source": self.source,
-        }
 
 
 def strategy_workers(strategy: str, world_size: int, recipe_fraction: str) -> int:

@@ -138,7 +138,7 @@ def test_a_profile_of_a_micro_batch_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_plan_never_overwrites_an_earlier_one(tmp_path: Path, profile: Path) -> None:
-    status, first, _, _ = plan(tmp_path, profile, "plan.world_sizes=[1]")
+    status, _, _, _ = plan(tmp_path, profile, "plan.world_sizes=[1]")
     assert status == 0
     before = (tmp_path / "out" / "plan.json").read_bytes()
     status, _, _, err = plan(tmp_path, profile, "plan.world_sizes=[2]")

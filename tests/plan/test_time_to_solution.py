@@ -222,12 +222,33 @@ def test_a_bad_profile_is_one_line_naming_the_key(
     assert expected in message and "\n" not in message and str(bad) in message
 
 
-def test_the_paper_profile_gives_a_source_for_every_value() -> None:
-    profile = load_profile(PAPER)
+@pytest.mark.parametrize(
+    "name",
+    [
+        "paper_v100_resnet50",
+        "paper_v100_resnet101",
+        "paper_v100_resnet152",
+        "paper_v100_maskrcnn",
+        "paper_a100_bert_large_phase2",
+    ],
+)
+def test_every_shipped_profile_gives_a_source_for_every_value(name: str) -> None:
+    profile = load_profile(REPO / "profiles" / f"{name}.yaml")
     values = ["baseline_step_s", *(f"stages_s.{k}" for k in profile.stages_s)]
     values += ["network.bandwidth_gb_s", "network.latency_us"]
     assert sorted(profile.sources) == sorted(values)
     assert all(len(s) > 20 for s in profile.sources.values())
+    # Models named as users name them; the V100 ResNets share one cluster, every value of it sourced.
+    assert profile.model == name.split("_", 2)[2].removesuffix("_phase2")
+    if "resnet" in name:
+        assert profile.cluster is not None
+        assert set(profile.cluster.sources) == {
+            "reference.gradient_bytes",
+            "reference.every_step_s",
+            "baseline_growth_s",
+            "kfac_growth",
+            "spread",
+        }
 
 
 def test_a_small_recipe_with_a_profile_of_its_own(tmp_path: Path) -> None:
