@@ -173,3 +173,20 @@ def test_the_band_is_no_wider_than_it_needs_to_be() -> None:
             assert e["minutes_low"] < e["minutes"] < e["minutes_high"]
     narrow, _ = _coverage(shrink=1 / BAND_Z)
     assert narrow < math.ceil(0.8 * 45), narrow
+
+
+def test_kaisa_fig6_iteration_times_fall_inside_the_band() -> None:
+    """KAISA Fig. 6 (ResNet-50, 64 V100, ~ read off the plot): SGD 0.150 s (the profile's input), MEM-OPT
+    (fraction 1/64) ~0.235 s and COMM-OPT ~0.177 s per iteration: the K-FAC steps are predictions from TPDS
+    Fig. 7's stages on KAISA's SGD step."""
+    planned, baseline = arms("resnet50")
+    profile = load_profile(REPO / "profiles" / "paper_v100_resnet50_kaisa.yaml")
+    assert profile.bandwidth_bytes is not None and profile.latency_s is not None
+    net = Network(profile.bandwidth_bytes, profile.latency_s, "profile")
+    entries, _ = project(planned, planned.length, baseline, profile, net, [64])
+    at = {e["arm"]: e for e in entries}
+    for arm, measured in (("sgd", 0.150), ("comm_opt", 0.177), ("mem_opt", 0.235)):
+        e = at[arm]
+        low, high = (e["step_s"] * e[k] / e["minutes"] for k in ("minutes_low", "minutes_high"))
+        assert low <= measured <= high, (arm, e["step_s"], measured)
+    assert at["sgd"]["step_s"] < at["comm_opt"]["step_s"] < at["mem_opt"]["step_s"]
