@@ -9,6 +9,7 @@ checks names and types against the dataclass); the rest composes the training co
 # ruff: noqa: UP006, UP035
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import List
@@ -26,6 +27,13 @@ PREFIX = "plan."
 MAX_WORLD_SIZE = 16384
 #: The longest arm the planner takes, in epochs or steps (a bound, not a limit of any real run).
 MAX_LENGTH = 10_000_000
+#: Upper bounds of the numeric plan keys (GiB per GPU, seconds of profiling, GB/s, µs).
+FLOAT_LIMITS = {
+    "memory_budget_gb": 1e6,
+    "profile_seconds": 86_400.0,
+    "bandwidth_gb_s": 1e5,
+    "latency_us": 1e6,
+}
 
 
 @dataclass
@@ -88,6 +96,10 @@ class PlanConfig:
                 f"(its cost grows with the world size); plan at most {MAX_WORLD_SIZE}, "
                 f"e.g. plan.world_sizes=[1024,{MAX_WORLD_SIZE}]"
             )
+        for key, most in FLOAT_LIMITS.items():
+            value = getattr(self, key)
+            if value is not None and not (math.isfinite(value) and value <= most):
+                raise ConfigError(f"plan.{key}={value} must be a finite number <= {most:g}")
         if self.fractions is not None and not self.fractions:
             raise ConfigError("plan.fractions is empty: leave it out to plan every valid fraction")
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
