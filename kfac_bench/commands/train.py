@@ -14,10 +14,12 @@ rank, only rank 0 prints a user error.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -101,12 +103,13 @@ def _default_choices() -> dict[str, str]:
 
 def main(args: Sequence[str]) -> int:
     """``kfac-bench train ARGS``; returns the exit status (the worst over a sweep's jobs)."""
-    from kfac_bench.launcher.torchrun import RANK_OF_FLAG, inside_launched_worker
+    from kfac_bench.launcher.distributed import detect
+    from kfac_bench.launcher.torchrun import RANK_OF_FLAG
 
     if "--help" in args or "-h" in args:
         print(help_text(), end="")
         return 0
-    worker = inside_launched_worker()
+    worker = detect().launched
     if worker:
         from kfac_bench.launcher.lifeline import tie_to_agent
         from kfac_bench.launcher.signals import catch_early
@@ -181,46 +184,43 @@ def _names_run_dir(overrides: Sequence[str]) -> bool:
 
 
 def _run_jobs(jobs: list[Job]) -> int:
-    """Run the jobs one after another in this process; returns the worst exit status. A job stopped by a
-    preemption signal (or a signal between two jobs) ends the sweep: no other job starts, exit 75."""
+    """Run the jobs one after another in this process: claim each job's run directory, record the job
+    there (``config.yaml``, Hydra's ``.hydra/``), then train here or start its ranks. Returns the worst exit
+    status (a user error is one line). A job stopped by a preemption signal (or a signal between two jobs)
+    ends the sweep: no other job starts, exit 75."""
+    from kfac_bench.launcher import rundir
     from kfac_bench.launcher.signals import EXIT_REQUEUE, PreemptionFlag
+    from kfac_bench.train.run import train
 
     flag = PreemptionFlag().install()  # between jobs; each run installs its own while it trains
     statuses: list[int] = []
     try:
-        for i, job in enumerate(jobs):
+        for job in jobs:
             if flag.signum is not None:
                 statuses.append(EXIT_REQUEUE)
-            else:
-                statuses.append(_run_job(job))
-            if statuses[-1] == EXIT_REQUEUE and i + 1 < len(jobs):
-                print(
-                    f"kfac-bench: sweep stopped by a signal: {len(jobs) - i - 1} of its {len(jobs)} jobs "
-                    f"not started; run the same command with hydra.sweep.dir={jobs[0].sweep_dir} to "
-                    "finish it (finished jobs are kept, the stopped one resumes)",
-                    flush=True,
-                )
+                break
+            _configure_logging(job.config)
+            with _reported(job.run_dir) as outcome:
+                _prepare(job)
+                try:
+                    cfg, run_dir = job.run_config, job.run_dir
+                    world = _checked_world(cfg, run_dir)
+                    outcome.code = _launch(cfg, run_dir, world) if world else train(cfg, run_dir)
+                finally:
+                    rundir.release(run_dir)
+            statuses.append(outcome.code)
+            if outcome.code == EXIT_REQUEUE:
                 break
     finally:
         flag.restore()
+    if len(statuses) < len(jobs):
+        print(
+            f"kfac-bench: sweep stopped by a signal: {len(jobs) - len(statuses)} of its {len(jobs)} "
+            f"jobs not started; run the same command with hydra.sweep.dir={jobs[0].sweep_dir} to "
+            "finish it (finished jobs are kept, the stopped one resumes)",
+            flush=True,
+        )
     return max(statuses, default=0)
-
-
-def _run_job(job: Job) -> int:
-    """Claim the job's run directory, record the job there (``config.yaml``, Hydra's ``.hydra/``), then
-    train in this process or start its ranks; returns the exit status (a user error is one line)."""
-    from kfac_bench.launcher import rundir
-
-    _configure_logging(job.config)
-    try:
-        _prepare(job)
-        try:
-            return _outcome(lambda: _execute(job.run_config, job.run_dir), job.run_dir)
-        finally:
-            rundir.release(job.run_dir)
-    except UserError as exc:
-        print(f"kfac-bench: error: {exc}", file=sys.stderr, flush=True)
-        return exc.exit_code
 
 
 def _prepare(job: Job) -> None:
@@ -241,33 +241,35 @@ def _prepare(job: Job) -> None:
         raise
 
 
-def _execute(cfg: RunConfig, run_dir: Path) -> int:
-    """Train the run prepared in ``run_dir`` (claimed, its config recorded): with ``launcher=torchrun``
-    start its ranks (each reads the recorded config), else train in this process."""
+def _checked_world(cfg: RunConfig, run_dir: Path) -> int:
+    """Check the device (and, for ``launcher=torchrun``, a resume's world) before training; returns the
+    number of ranks ``launcher=torchrun`` starts, 0 when the run trains in this process."""
     from kfac_bench.launcher.preflight import check_run, job_world
 
     world = job_world(cfg)  # one reading for the device check and the resume check
     check_run(cfg, world.size)
+    if str(cfg.launcher.name.value) != "torchrun":
+        return 0
+    from kfac_bench.checkpoint.elastic import check_launch
+
+    check_launch(run_dir, cfg, world.size)  # before any rank starts
+    return world.size
+
+
+def _launch(cfg: RunConfig, run_dir: Path, world: int) -> int:
+    """Start the ``world`` ranks of the run prepared in ``run_dir`` (each reads its recorded config) and
+    supervise them to the end; returns their exit status."""
+    from kfac_bench.launcher import rundir
+    from kfac_bench.launcher.torchrun import launch_torchrun
+
     launcher = cfg.launcher
-    if str(launcher.name.value) == "torchrun":
-        from kfac_bench.checkpoint.elastic import check_launch
-        from kfac_bench.launcher import rundir
-        from kfac_bench.launcher.torchrun import launch_torchrun
-
-        check_launch(run_dir, cfg, world.size)  # before any rank starts
-        os.environ[rundir.LOCKED_ENV] = str(run_dir.resolve())
-        try:
-            return launch_torchrun(
-                run_dir,
-                launcher.nproc_per_node,
-                launcher.max_restarts,
-                launcher.monitor_interval,
-            )
-        finally:
-            os.environ.pop(rundir.LOCKED_ENV, None)
-    from kfac_bench.train.run import train
-
-    return int(train(cfg, run_dir))
+    os.environ[rundir.LOCKED_ENV] = str(run_dir.resolve())
+    try:
+        return launch_torchrun(
+            run_dir, launcher.nproc_per_node, launcher.max_restarts, launcher.monitor_interval
+        )
+    finally:
+        os.environ.pop(rundir.LOCKED_ENV, None)
 
 
 def _rank_of_prepared_run(run_dir: Path | None) -> int:
@@ -286,7 +288,9 @@ def _rank_of_prepared_run(run_dir: Path | None) -> int:
         if _secondary_rank():
             return exc.exit_code
         raise
-    return _outcome(lambda: int(train(cfg, run_dir)), run_dir)
+    with _reported(run_dir) as outcome:
+        outcome.code = train(cfg, run_dir)
+    return outcome.code
 
 
 def _rank_flag() -> str:
@@ -307,10 +311,11 @@ def _as_a_rank(job: Job, explicit_dir: bool) -> int:
 
     _configure_logging(job.config)
     cfg = job.run_config
-    return _outcome(
-        lambda: int(train(cfg, job.run_dir, run_dir_from_rank_0=not explicit_dir, on_claim=record)),
-        job.run_dir,
-    )
+    with _reported(job.run_dir) as outcome:
+        outcome.code = train(
+            cfg, job.run_dir, run_dir_from_rank_0=not explicit_dir, on_claim=record
+        )
+    return outcome.code
 
 
 def _configure_logging(cfg: Any, run_dir: Path | None = None) -> None:
@@ -356,16 +361,26 @@ _STDOUT_LOGGING = {
 }
 
 
-def _outcome(run: Callable[[], int], run_dir: Path) -> int:
-    """``run()``'s exit status, with the failures that are not the program's as one line: a user error
-    (exit 2, said by rank 0), a lost peer (exit 1, so that torchrun restarts the ranks), a full or
-    read-only disk (exit 2)."""
+@dataclass
+class _Outcome:
+    """A run's exit status, set by the code in a :func:`_reported` block or by the failure it reports."""
+
+    code: int = 0
+
+
+@contextlib.contextmanager
+def _reported(run_dir: Path) -> Iterator[_Outcome]:
+    """Run the block, reporting the failures that are not the program's as one line and an exit status in
+    the outcome: a user error (exit 2, said by rank 0), a lost peer (exit 1, so that torchrun restarts the
+    ranks), a full or read-only disk (exit 2). A context, not a wrapper function: the run keeps a shallow
+    stack."""
+    outcome = _Outcome()
     try:
-        return run()
+        yield outcome
     except UserError as exc:
         if not _secondary_rank():
             print(f"kfac-bench: error: {exc}", file=sys.stderr, flush=True)
-        return exc.exit_code
+        outcome.code = exc.exit_code
     except RuntimeError as exc:
         from kfac_bench.launcher.distributed import detect, lost_peer
 
@@ -379,7 +394,7 @@ def _outcome(run: Callable[[], int], run_dir: Path) -> int:
             file=sys.stderr,
             flush=True,
         )
-        return 1
+        outcome.code = 1
     except OSError as exc:
         if exc.errno not in _DISK_ERRNOS:
             raise
@@ -390,7 +405,7 @@ def _outcome(run: Callable[[], int], run_dir: Path) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        return UserError.exit_code
+        outcome.code = UserError.exit_code
 
 
 def _check_flags(flags: list[str]) -> set[str]:
@@ -461,18 +476,20 @@ class PreparedRun:
     def __call__(self) -> int:
         from kfac_bench.config.jobs import load_run_config
         from kfac_bench.launcher import rundir
+        from kfac_bench.train.run import train
 
         _configure_logging(None, self.run_dir)
-        try:
+        with _reported(self.run_dir) as outcome:
             cfg = load_run_config(self.run_dir / rundir.CONFIG_FILE)
             rundir.claim(self.run_dir, cfg)  # a requeued job claims it again
             try:
-                return _outcome(lambda: _execute(cfg, self.run_dir), self.run_dir)
+                world = _checked_world(cfg, self.run_dir)
+                outcome.code = (
+                    _launch(cfg, self.run_dir, world) if world else train(cfg, self.run_dir)
+                )
             finally:
                 rundir.release(self.run_dir)
-        except UserError as exc:
-            print(f"kfac-bench: error: {exc}", file=sys.stderr, flush=True)
-            return exc.exit_code
+        return outcome.code
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         import submitit

@@ -20,7 +20,6 @@ __all__ = [
     "JOB_ENV_KEYS",
     "RANK_OF_FLAG",
     "hydra_quote",
-    "inside_launched_worker",
     "launch_torchrun",
     "outside_job_env",
     "run_dir_override",
@@ -41,12 +40,6 @@ JOB_ENV_KEYS = (
 
 #: ``kfac-bench train --rank-of DIR``: a rank of the run its launcher prepared in DIR.
 RANK_OF_FLAG = "--rank-of"
-
-
-def inside_launched_worker(env: Mapping[str, str] | None = None) -> bool:
-    """Whether this process is already a rank of a torchrun/SLURM job (then it just trains)."""
-    env = os.environ if env is None else env
-    return "TORCHELASTIC_RUN_ID" in env or "RANK" in env or int(env.get("SLURM_NTASKS", "1")) > 1
 
 
 def outside_job_env(env: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -4,7 +4,6 @@ train`` calls (directly, or in each rank that ``launcher=torchrun`` or a launch 
 from __future__ import annotations
 
 import copy
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,10 +35,6 @@ __all__ = ["EXIT_CODES", "open_side_channels", "train"]
 #: so it exits 0 and a torchrun restart does not replay it. A preempted rank under torchrun exits 0 too
 #: (a failure would make torchrun restart it); the run directory's ``preempted`` marker says it stopped.
 EXIT_CODES = {"success": 0, "target_not_reached": 0, "diverged": 0, "preempted": EXIT_REQUEUE}
-
-
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def train(
@@ -77,7 +72,7 @@ def train(
             rundir.release(run_dir)
     code = EXIT_CODES[status]
     if status == "preempted":
-        code = 0 if _under_torchrun() else code
+        code = 0 if env.elastic else code
         flag.hand_back()  # e.g. submitit's requeue, now that the checkpoint is written
     return code
 
