@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kfac_bench.compare.runs import RunRecord
+from kfac_bench.config import builder_name, model_name
 
 if TYPE_CHECKING:
     from kfac_bench.compare.report import Comparison
@@ -27,8 +28,8 @@ def _setting_title(cmp: Comparison) -> str:
     between arms joined with " / ")."""
 
     def name(run: RunRecord, section: str) -> str:
-        target = str(((run.summary.get("config") or {}).get(section) or {}).get("_target_", "?"))
-        return target.rsplit(".", 1)[-1].removeprefix("build_")
+        cfg = (run.summary.get("config") or {}).get(section) or {}
+        return model_name(cfg) if section == "model" else builder_name(cfg)
 
     def values(get: Callable[[RunRecord], str]) -> str:
         return " / ".join(dict.fromkeys(get(r) for g in cmp.groups for r in g.runs))

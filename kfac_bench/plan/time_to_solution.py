@@ -429,13 +429,8 @@ def _relative(entries: list[dict[str, Any]], baseline: str) -> None:
 
 
 def model_name(planned: PlannedModel) -> str:
-    """The model's name as users name it, which a profile's ``model`` must carry: ``model.arch`` if the
-    builder takes one (``resnet152``), ``bert_<preset>`` for BERT (``bert_large``), else the builder's
-    name without ``build_`` (``maskrcnn``, ``small_cnn``)."""
-    arch = planned.model_args.get("arch")
-    if arch:
-        return str(arch)
-    builder = planned.model_target.rsplit(".", 1)[-1].removeprefix("build_")
-    if builder in ("bert", "bert_qa"):
-        return f"{builder.replace('bert', 'bert_' + str(planned.model_args.get('preset', 'large')), 1)}"
-    return builder
+    """The model's name as users name it (:func:`kfac_bench.config.model_name`), which a profile's
+    ``model`` must carry."""
+    from kfac_bench.config import model_name as name_of
+
+    return name_of({"_target_": planned.model_target, **planned.model_args})
