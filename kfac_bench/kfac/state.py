@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,6 +50,13 @@ class Call:
     nested: bool = False
     # The rows of output positions its factors use (``factor_position_fraction`` < 1); None: all.
     positions: torch.Tensor | None = None
+    # The autograd node whose gradient is the call's output gradient: a backward pass counts the call
+    # (rows in L, its G) only if it executes this node. Dropped once the gradient arrived.
+    node: Any = None
+    # Rows of a Linear-type call, for L (0 for convolutions).
+    row_count: int = 0
+    # The backward pass that delivers its gradient (-2: not known yet).
+    task: int = -2
 
 
 @dataclass
