@@ -117,8 +117,10 @@ class Capture:
         self.ever = False
         self._task = -2  # graph task whose end-of-backward callback is queued
         self._touched: list[LayerState] = []
-        #: ``L`` of the running backward pass (:meth:`terms`), counted when it starts.
+        #: ``L`` of the running backward pass (:meth:`terms`), counted when it starts, and its sum over
+        #: the step's backward passes (``'expand'`` normalises G of Linear-type layers with it).
         self._terms = 0
+        self.step_terms = 0
         #: Rows of Linear-type calls in reentrant checkpoints' first forwards: (layer, the checkpoint's
         #: autograd node, weakly, rows), counted in the pass that reaches that node.
         self._unrecorded: list[tuple[str, weakref.ref[Any], int]] = []
@@ -134,6 +136,7 @@ class Capture:
             layer.calls.clear()
             self._close(layer)
         self._unrecorded.clear()
+        self.step_terms = 0
         self.collecting = collect
         self.backwards = 0
 
@@ -335,6 +338,7 @@ class Capture:
                 waiting.append((name, ref, n))
         self._unrecorded = waiting
         self._terms = max((max(t) for t in tally.values()), default=0)
+        self.step_terms += self._terms
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _backward_done(self) -> None:

@@ -237,6 +237,7 @@ class KFACPreconditioner:
             subset=self._example_subset(factor_batch_fraction),
             positions=self._position_subset(factor_position_fraction),
         )
+        self.curvature.step_terms = lambda: self.capture.step_terms
         self.capture.start_step(is_due(self.factor_update_steps, 0))
         self.capture.outside.start()
 
@@ -262,7 +263,9 @@ class KFACPreconditioner:
             self.layers[name].work = work
         self.comm.set_groups(plan)
         entries = factor_entries(plan, self.factor_reduction is FactorReduction.REDUCE)
-        self.comm.set_buckets(entries, torch.empty((), dtype=self.factor_dtype).element_size())
+        self.comm.set_buckets(
+            entries, torch.empty((), dtype=self.factor_dtype).element_size(), self.factor_dtype
+        )
 
     def _placement(self, world_size: int) -> dict[str, asg.LayerWork]:
         """Where each layer's work runs on ``world_size`` ranks: :func:`~.assignment.assign`, the rule

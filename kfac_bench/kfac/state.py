@@ -28,12 +28,15 @@ class Accumulator:
         self.total = weighted_sum if self.total is None else self.total.add_(weighted_sum)
         self.count += count
 
-    def pop(self, scaling: FactorScaling, is_g: bool) -> torch.Tensor | None:
+    def pop(
+        self, scaling: FactorScaling, is_g: bool, count: int | None = None
+    ) -> torch.Tensor | None:
         """The normalised batch factor, in the accumulated sum's own buffer (None if nothing was
-        accumulated); resets the accumulator."""
+        accumulated), normalised with ``count`` in place of the accumulated one when given; resets the
+        accumulator."""
         if self.total is None:
             return None
-        out = normalise(self.total, self.count, scaling, is_g)
+        out = normalise(self.total, self.count if count is None else count, scaling, is_g)
         self.total, self.count = None, 0
         return out
 
