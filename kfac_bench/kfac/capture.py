@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from .factors import fold
+from .layers.attention import install_attention_forward
 from .options import FactorScaling
 from .outside import OutsideGradients
 from .state import Call, LayerState
@@ -150,6 +151,9 @@ class Capture:
         """Hook ``layer``'s module (keyword inputs included: ``m(input=x)``)."""
         hook = self._forward_hook(layer)
         layer.handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
+        if layer.attention is not None:
+            assert isinstance(layer.attention, torch.nn.MultiheadAttention)
+            layer.handles.append(install_attention_forward(layer.attention))
 
     def _forward_hook(self, layer: LayerState) -> Callable[..., None]:
         def hook(

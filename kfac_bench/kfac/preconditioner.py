@@ -32,7 +32,7 @@ from .comm import Communicator, factor_entries
 from .coverage import Coverage
 from .curvature import Curvature
 from .gradients import Gradients
-from .layers import handler_for
+from .layers import AttentionProjection, handler_for
 from .log import WarnOnce, logger
 from .options import (
     AssignmentStrategy,
@@ -412,6 +412,7 @@ class KFACPreconditioner:
             spec.bias,
             batch_dim=batch_dim_of(spec, self.batch_dim),
             param_id=id(spec.handler.parameters(spec.module)[0]),
+            attention=spec.attention,
         )
 
     def _trainable_now(self) -> dict[str, tuple[bool, bool]]:
@@ -453,7 +454,13 @@ class KFACPreconditioner:
     def _replaced(self, name: str, layer: LayerState) -> bool:
         """Whether the model no longer holds ``layer``'s module under its name with the same weight."""
         try:
-            module = self.model.get_submodule(name)
+            if isinstance(layer.module, AttentionProjection):  # not in the tree: its owner is
+                owner = self.model.get_submodule(name.rpartition(".")[0])
+                if owner is not layer.module.owner:
+                    return True
+                module: nn.Module = layer.module
+            else:
+                module = self.model.get_submodule(name)
             weight = layer.handler.parameters(module)[0]
         except (AttributeError, AssertionError):
             return True

@@ -18,10 +18,12 @@ from torch import nn
 
 from .coverage import Coverage
 from .layers import LayerHandler, handler_for, overrides_forward
+from .layers.attention import PARTS, projections
 from .log import logger
 
 #: Module types whose forward reads their child layers' weights directly (functionally), so the children's
-#: hooks never fire: ``F.multi_head_attention_forward`` uses ``out_proj.weight``.
+#: hooks never fire: ``F.multi_head_attention_forward`` uses ``out_proj.weight``. An attention module that
+#: is registered (:func:`expands_attention`) runs the engine's forward instead, where ``out_proj`` is called.
 FUNCTIONAL_PARENTS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 
 #: The same for classes of other libraries, known by ``(module, class name)`` (the engine imports only
@@ -68,6 +70,9 @@ class LayerSpec:
     module: nn.Module = field(repr=False, compare=False)
     handler: LayerHandler = field(repr=False, compare=False)
     batch_dim: int = 0
+    #: The ``nn.MultiheadAttention`` that must run the engine's forward for this layer's hooks to fire
+    #: (its q/k/v projections and its ``out_proj``, :mod:`.layers.attention`); None for other layers.
+    attention: nn.Module | None = field(default=None, repr=False, compare=False)
 
     @property
     def spatial(self) -> bool:
@@ -123,6 +128,7 @@ def scan_model(model: nn.Module, skip_layers: Sequence[str | re.Pattern[str]] = 
     holders: dict[int, list[str]] = {}  # parameter id -> modules holding it directly
     functional: set[str] = set()
     sequence_first: set[str] = set()
+    attention: dict[str, nn.MultiheadAttention] = {}
     trainable = {id(p): p.numel() for _, m in modules for p in _own(m) if p.requires_grad}
     eligible: dict[int, int] = {}
     for name, module in modules:
@@ -132,7 +138,9 @@ def scan_model(model: nn.Module, skip_layers: Sequence[str | re.Pattern[str]] = 
         if any(p.requires_grad and p.dim() >= 2 for p in own):
             eligible.update((id(p), p.numel()) for p in own if p.requires_grad)
         prefix = f"{name}." if name else ""
-        if isinstance(module, FUNCTIONAL_PARENTS):
+        if isinstance(module, nn.MultiheadAttention) and expands_attention(module, name, rules):
+            attention[name] = module
+        elif isinstance(module, FUNCTIONAL_PARENTS):
             functional.update(prefix + child for child, _ in module.named_modules())
         for cls in type(module).__mro__:
             for child in FUNCTIONAL_CHILDREN.get((cls.__module__, cls.__name__), ()):
@@ -142,9 +150,38 @@ def scan_model(model: nn.Module, skip_layers: Sequence[str | re.Pattern[str]] = 
         if isinstance(module, SEQUENCE_FIRST_PARENTS) and not _batch_first(module):
             sequence_first.update(prefix + child for child, _ in module.named_modules())
     scan = ModelScan([], {}, {}, Counter(), sum(trainable.values()), sum(eligible.values()), {})
+    # The engine's attention forward feeds its projections and out_proj batch first.
+    sequence_first -= {
+        f"{n}." * bool(n) + c for n, m in attention.items() for c, _ in m.named_modules()
+    }
+    owner_of = {f"{n}." * bool(n) + "out_proj": (n, m) for n, m in attention.items()}
     for name, module in modules:
-        _classify(scan, name, module, rules, functional, holders, sequence_first)
+        skipped = isinstance(module, nn.MultiheadAttention) and name not in attention
+        if skipped and handler_for(projections(module)[0]) is not None:
+            scan.left_out.setdefault("skipped_by_rule", []).append(
+                name
+            )  # registered, skipped by a rule
+            continue
+        if name not in attention:  # an attention module's blocks are its projections (below)
+            _classify(
+                scan, name, module, rules, functional, holders, sequence_first, owner_of.get(name)
+            )
+        else:
+            assert isinstance(module, nn.MultiheadAttention)
+            for proj in projections(module):
+                part = f"{name}." * bool(name) + f"{PARTS[proj.part]}_proj"
+                _classify(scan, part, proj, rules, functional, holders, set(), (name, module))
     return scan
+
+
+def expands_attention(
+    module: nn.MultiheadAttention, name: str, rules: Sequence[re.Pattern[str]]
+) -> bool:
+    """Whether an attention module's projections are registered layers (the projection type has a handler
+    and no ``skip_layers`` rule matches the module's name or class)."""
+    if handler_for(projections(module)[0]) is None:
+        return False
+    return not any(r.search(name) or r.search(type(module).__name__) for r in rules)
 
 
 def batch_dim_of(spec: LayerSpec, option: int | Mapping[str, int] | None) -> int:
@@ -181,8 +218,10 @@ def _classify(
     functional: set[str],
     holders: dict[int, list[str]],
     sequence_first: set[str],
+    owner: tuple[str, nn.Module] | None = None,
 ) -> None:
-    """Add ``module`` to the scan: as a layer, as left out with a reason, or not at all."""
+    """Add ``module`` to the scan: as a layer, as left out with a reason, or not at all. ``owner``: the
+    attention module (name, module) whose forward feeds it (its parameters are not tied to it)."""
     handler = handler_for(module)
     if handler is None:
         if any(p.requires_grad and p.dim() >= 2 for p in _own(module)):
@@ -206,7 +245,8 @@ def _classify(
         if reason is None and name in functional:
             reason = "used functionally"
         others = sorted(
-            {n for p in (weight, bias) if p is not None for n in holders.get(id(p), [])} - {name}
+            {n for p in (weight, bias) if p is not None for n in holders.get(id(p), [])}
+            - {name, owner[0] if owner else name}
         )
         if reason is None and others:
             scan.tied[name] = others
@@ -214,7 +254,7 @@ def _classify(
         if reason is None:
             use_bias = bias is not None and bias.requires_grad
             a_dim, g_dim = handler.dims(module, use_bias)
-            params = weight.numel() + (bias.numel() if use_bias and bias is not None else 0)
+            params = a_dim * g_dim  # the block: weight and bias column
             spec = LayerSpec(
                 name,
                 type(module).__name__,
@@ -225,6 +265,7 @@ def _classify(
                 module,
                 handler,
                 batch_dim=1 if name in sequence_first else 0,
+                attention=owner[1] if owner else None,
             )
             scan.layers.append(spec)
             return
@@ -285,7 +326,7 @@ def structure(model: nn.Module) -> tuple[tuple[object, ...], ...]:
         cls = type(module)
         if cls not in known:
             known[cls] = handler_for(module) is not None
-        if not lazy and not known[cls]:
+        if not lazy and not known[cls] and not isinstance(module, nn.MultiheadAttention):
             continue
         weight = getattr(module, "weight", None)
         ident: object = id(own) if isinstance(own, nn.Parameter) else type(weight).__name__

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -15,6 +15,12 @@ from .factors import normalise
 from .layers import Gram, LayerHandler
 from .options import Factor, FactorScaling
 from .second_order import Parts, Result
+
+
+class Removable(Protocol):
+    """A handle with ``remove()`` (a hook's, or the attention forward's, :mod:`.layers.attention`)."""
+
+    def remove(self) -> None: ...
 
 
 @dataclass
@@ -91,13 +97,16 @@ class LayerState:
     not_ready_reason: str | None = None
     # Device-side flag: a non-finite batch factor was skipped since the last check (no host sync to set).
     nonfinite: torch.Tensor | None = None
-    handles: list[RemovableHandle] = field(default_factory=list)
+    handles: list[RemovableHandle | Removable] = field(default_factory=list)
     # Whether an output gradient ever reached the layer's hooks (run-time coverage).
     received: bool = False
     # A run-time reason to leave the layer out for good (a ``Coverage`` key, e.g. "read_outside_call").
     left_out: str | None = None
     # ``id`` of the weight parameter it was registered with (a pruned or replaced weight differs).
     param_id: int = 0
+    # The attention module that runs the engine's forward while this layer is registered (its q/k/v
+    # projections and out_proj, see :mod:`.layers.attention`); None for other layers.
+    attention: nn.Module | None = None
 
     @property
     def spatial(self) -> bool:

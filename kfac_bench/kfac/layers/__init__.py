@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from .attention import AttentionProjection, AttentionProjectionHandler
 from .base import Gram, LayerHandler, WeightBiasHandler
+from .conv1d import Conv1dHandler
 from .conv2d import Conv2dHandler
 from .linear import LinearHandler
 
@@ -85,8 +87,13 @@ def handler_for(module: nn.Module) -> LayerHandler | None:
 
 register_layer_type(nn.Linear, LinearHandler())
 register_layer_type(nn.Conv2d, Conv2dHandler())
+register_layer_type(nn.Conv1d, Conv1dHandler())
+register_layer_type(AttentionProjection, AttentionProjectionHandler())
 
 __all__ = [
+    "AttentionProjection",
+    "AttentionProjectionHandler",
+    "Conv1dHandler",
     "Conv2dHandler",
     "Gram",
     "LayerHandler",
