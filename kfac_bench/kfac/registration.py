@@ -135,7 +135,8 @@ def scan_model(model: nn.Module, skip_layers: Sequence[str | re.Pattern[str]] = 
         own = _own(module)
         for p in own:
             holders.setdefault(id(p), []).append(name)
-        if any(p.requires_grad and p.dim() >= 2 for p in own):
+        registered = handler_for(module) is not None
+        if _matrices(module) or (registered and any(p.requires_grad and p.dim() >= 2 for p in own)):
             eligible.update((id(p), p.numel()) for p in own if p.requires_grad)
         prefix = f"{name}." if name else ""
         if isinstance(module, nn.MultiheadAttention) and expands_attention(module, name, rules):
@@ -224,13 +225,22 @@ def _classify(
     attention module (name, module) whose forward feeds it (its parameters are not tied to it)."""
     handler = handler_for(module)
     if handler is None:
-        if any(p.requires_grad and p.dim() >= 2 for p in _own(module)):
+        own = [p for p in _own(module) if p.requires_grad and p.dim() >= 2]
+        if _matrices(module):
             if overrides_forward(module):
                 scan.left_out.setdefault("subclass_own_forward", []).append(name)
                 scan.details[name] = OWN_FORWARD
                 return
             scan.unsupported_types[type(module).__name__] += 1
             scan.left_out.setdefault("unsupported_type", []).append(name)
+        elif own:
+            names = [n for n, p in module._parameters.items() if any(p is q for q in own)]
+            scan.left_out.setdefault("not_a_weight_matrix", []).append(name)
+            scan.details[name] = (
+                f"not a weight matrix ({', '.join(names)}: added or scaled elementwise, like a class "
+                "token, a position embedding or a layer scale; K-FAC has no Kronecker factors for it, "
+                "so it keeps its plain gradient and there is nothing to register)"
+            )
         return
     if any(r.search(name) or r.search(type(module).__name__) for r in rules):
         scan.left_out.setdefault("skipped_by_rule", []).append(name)
@@ -274,6 +284,26 @@ def _classify(
     key = reason.split(" (")[0].replace(" ", "_")
     scan.left_out.setdefault(key, []).append(name)
     scan.details[name] = reason
+
+
+def _matrix(name: str, p: torch.Tensor) -> bool:
+    """Whether a parameter of a module without a handler is a weight matrix or kernel as such: at least
+    2-D, and named a weight or without a dimension of size 1. Other tensors with one (a ``(1, 1, d)`` class
+    token, a ``(1, T, d)`` position embedding, a ``(C, 1, 1)`` layer scale) are broadcast against
+    activations: added or scaled elementwise."""
+    return p.dim() >= 2 and ("weight" in name or 1 not in p.shape)
+
+
+def _matrices(module: nn.Module) -> list[nn.Parameter]:
+    """The trainable weight matrices and kernels a module holds itself (:func:`_matrix`)."""
+    return [
+        p
+        for n, p in module._parameters.items()
+        if p is not None
+        and p.requires_grad
+        and not isinstance(p, nn.parameter.UninitializedParameter)
+        and _matrix(n, p)
+    ]
 
 
 def _own(module: nn.Module) -> list[nn.Parameter]:
@@ -381,4 +411,13 @@ def _advice(coverage: Coverage) -> str:
             "skip_layers leaves layers out: if that is intended, lower coverage_threshold (or revise "
             "skip_layers)"
         )
-    return "register the model's layer types with kfac_bench.kfac.register_layer_type or revise skip_layers"
+    left = coverage.left_out
+    if "unsupported_type" in left or "subclass_own_forward" in left:
+        return (
+            "register the model's layer types with kfac_bench.kfac.register_layer_type (docs/engine.md, "
+            "'Your own layer') or revise skip_layers"
+        )
+    return (
+        "what is left out has no K-FAC block the engine can compute (reasons above); lower "
+        "coverage_threshold if that is expected"
+    )

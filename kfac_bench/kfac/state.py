@@ -107,6 +107,8 @@ class LayerState:
     # The attention module that runs the engine's forward while this layer is registered (its q/k/v
     # projections and out_proj, see :mod:`.layers.attention`); None for other layers.
     attention: nn.Module | None = None
+    # In eval() mode while its weight had a gradient at the last step() (kept its plain gradient).
+    eval_mode: bool = False
 
     @property
     def spatial(self) -> bool:

@@ -187,6 +187,8 @@ def attention_forward(
     """``attn(query, key, value, ...)`` with its projections as module calls (module docstring); the
     module's own forward outside training mode or without gradients."""
     projs = _PROJECTIONS.get(attn)
+    for p in projs or ():
+        p.training = attn.training  # what the engine reads of a registered layer's mode
     if projs is None or not (attn.training and torch.is_grad_enabled()):
         return type(attn).forward(
             attn,
@@ -199,8 +201,6 @@ def attention_forward(
             average_attn_weights=average_attn_weights,
             is_causal=is_causal,
         )
-    for p in projs:
-        p.training = attn.training
     batched = query.dim() == 3
     if not batched:
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
