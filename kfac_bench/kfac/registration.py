@@ -233,6 +233,9 @@ def _classify(
                 return
             scan.unsupported_types[type(module).__name__] += 1
             scan.left_out.setdefault("unsupported_type", []).append(name)
+            why = next((w for t, w in _UNSUPPORTED_WHY.items() if isinstance(module, t)), None)
+            if why is not None:
+                scan.details[name] = f"unsupported type ({why})"
         elif own:
             names = [n for n, p in module._parameters.items() if any(p is q for q in own)]
             scan.left_out.setdefault("not_a_weight_matrix", []).append(name)
@@ -284,6 +287,17 @@ def _classify(
     key = reason.split(" (")[0].replace(" ", "_")
     scan.left_out.setdefault(key, []).append(name)
     scan.details[name] = reason
+
+
+#: Why common layer types have no handler (the scan's detail for them, docs/engine.md "Layer types").
+_UNSUPPORTED_WHY: dict[type[nn.Module], str] = {
+    nn.Conv3d: "a Conv3d's patches are 3-D; the engine's exact patch kernels are 2-D",
+    nn.modules.conv._ConvTransposeNd: (
+        "a transposed convolution's patches are those of its input dilated by the stride and its "
+        "weight is (in, out, ...); no handler models that"
+    ),
+    nn.Embedding: "a lookup, not a product with its input rows: no input factor",
+}
 
 
 def _matrix(name: str, p: torch.Tensor) -> bool:
@@ -392,6 +406,13 @@ def log_scan(scan: ModelScan, coverage: Coverage) -> None:
             ", ".join(repr(n) for n in sorted(holders) if n in scan.tied),
         )
     logger.info("%s", coverage)
+    why: dict[str, list[str]] = {}
+    for key in ("unsupported_type", "not_a_weight_matrix"):
+        for name in scan.left_out.get(key, ()):
+            if name in scan.details:
+                why.setdefault(scan.details[name], []).append(name or "(root)")
+    for reason, names in why.items():
+        logger.info("K-FAC: left out (plain gradient) %s: %s", ", ".join(names), reason)
     if coverage.below_threshold:
         logger.warning(
             "K-FAC covers only %.1f%% of the parameters in weight matrices/kernels (threshold %.0f%%): "

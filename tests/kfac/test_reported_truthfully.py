@@ -117,3 +117,16 @@ def test_tokens_position_embeddings_and_layer_scale_are_not_weight_matrices(
         KFACPreconditioner(model, coverage_threshold=1.1)
     text = " ".join(r.getMessage() for r in caplog.records)
     assert "register_layer_type" not in text and "coverage_threshold" in text
+
+
+def test_conv3d_and_transposed_convolutions_are_unsupported_with_their_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = nn.Sequential(nn.Conv3d(2, 3, 2), nn.ConvTranspose2d(3, 2, 2), nn.Conv1d(2, 2, 3))
+    with caplog.at_level(logging.INFO, logger="kfac_bench.kfac"):
+        KFACPreconditioner(model)
+    assert any("0: unsupported type" in r.getMessage() for r in caplog.records)
+    scan = scan_model(model)
+    assert [s.name for s in scan.layers] == ["2"]
+    assert scan.coverage().left_out["unsupported_type"] == ("0", "1")
+    assert "3-D" in scan.details["0"] and "dilated by the stride" in scan.details["1"]
