@@ -10,7 +10,9 @@ forward is ``F.linear`` on the slice of the packed weight or on the separate wei
 ``F.scaled_dot_product_attention`` (or, with ``need_weights``, the explicit softmax that returns the
 weights) and a call of ``out_proj``. Its K-FAC blocks are those of ``nn.Linear`` q/k/v/out layers + SDPA
 (self- and cross-attention, packed or separate weights, ``batch_first`` either way); eval-mode and no-grad
-forwards run the module's own forward. Removing the preconditioner restores the module's forward.
+forwards, and forwards traced by ``torch.compile``, run the module's own forward (under ``torch.compile``
+its four layers are then reported as not run, keeping plain gradients). Removing the preconditioner
+restores the module's forward.
 """
 
 from __future__ import annotations
@@ -189,7 +191,13 @@ def attention_forward(
     projs = _PROJECTIONS.get(attn)
     for p in projs or ():
         p.training = attn.training  # what the engine reads of a registered layer's mode
-    if projs is None or not (attn.training and torch.is_grad_enabled()):
+    # Under torch.compile the module's own forward runs: hooks of modules outside the model tree do not
+    # survive tracing, so its projections count as not run (reported) rather than recorded wrongly.
+    if (
+        projs is None
+        or not (attn.training and torch.is_grad_enabled())
+        or torch.compiler.is_compiling()
+    ):
         return type(attn).forward(
             attn,
             query,
