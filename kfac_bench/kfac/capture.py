@@ -43,7 +43,8 @@ its precision nor lets its sums overflow; with a loss scaler G is divided by the
 power-of-two scales of ``GradScaler``).
 
 In a distributed run the last backward pass of a step hands each layer to ``on_final`` as soon as all its
-calls have their gradient, so that the reduction of its factors overlaps the rest of the backward pass.
+calls that this pass backpropagates have their gradient, so that the reduction of its factors overlaps the
+rest of the backward pass.
 """
 
 from __future__ import annotations
