@@ -172,6 +172,21 @@ def test_transformer_encoder_layer_is_fully_preconditioned_and_unchanged_in_eval
     assert p.coverage().eligible_share == 1.0
 
 
+def test_a_copy_of_an_attached_attention_runs_its_own_weights_and_feeds_nothing() -> None:
+    torch.manual_seed(0)
+    attn = nn.MultiheadAttention(E, HEADS, batch_first=True, dtype=D)
+    p = KFACPreconditioner(attn, kl_clip=None)
+    twin = copy.deepcopy(attn)  # e.g. an EMA copy of an attached model
+    with torch.no_grad():
+        twin.in_proj_weight.mul_(2)
+    x = torch.randn(N, L, E, dtype=D)
+    out, _ = twin(x, x, x)
+    torch.testing.assert_close(out, nn.MultiheadAttention.forward(twin, x, x, x)[0])
+    assert not torch.allclose(out, nn.MultiheadAttention.forward(attn, x, x, x)[0])
+    out.sum().backward()
+    assert all(not layer.calls and layer.a_batch.total is None for layer in p.layers.values())
+
+
 @pytest.mark.parametrize(
     "conv",
     [

@@ -149,7 +149,7 @@ class _Installed:
         self.attn: nn.MultiheadAttention | None = attn
         count = _INSTALLED.get(attn, 0)
         if count == 0:
-            attn.__dict__["forward"] = _bound_forward(attn)
+            attn.__dict__["forward"] = _EngineForward(attn)
         _INSTALLED[attn] = count + 1
 
     def remove(self) -> None:
@@ -164,15 +164,29 @@ class _Installed:
             _INSTALLED[attn] = count
 
 
-def _bound_forward(attn: nn.MultiheadAttention) -> Any:
-    ref = weakref.ref(attn)
+class _EngineForward:
+    """The instance ``forward`` of an attention module while the engine's runs. A copy of the module
+    (``copy.deepcopy``, pickling) gets one bound to the copy, which no preconditioner registered: it runs
+    the module's own forward and feeds no factors."""
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        module = ref()
-        assert module is not None
-        return attention_forward(module, *args, **kwargs)
+    def __init__(self, attn: nn.MultiheadAttention) -> None:
+        self.ref = weakref.ref(attn)
 
-    return forward
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        attn = self.ref()
+        assert attn is not None
+        return attention_forward(attn, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _EngineForward:
+        attn = self.ref()
+        copied = memo.get(id(attn), attn)
+        assert isinstance(copied, nn.MultiheadAttention)
+        return _EngineForward(copied)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        attn = self.ref()
+        assert attn is not None
+        return (_EngineForward, (attn,))
 
 
 def attention_forward(
