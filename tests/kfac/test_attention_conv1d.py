@@ -233,3 +233,56 @@ def test_conv1d_equals_conv2d_with_a_1_by_k_kernel(conv: dict, scaling: str) -> 
         grads.append((conv_layer.weight.grad.reshape(4, -1), p.layers["0"].a_factor))
     torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-12, atol=1e-13)
     torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-10, atol=1e-13)
+
+
+OPTIONS = {
+    "bias_kv, zero attention, bool mask": (
+        dict(add_bias_kv=True, add_zero_attn=True),
+        lambda t, s: dict(attn_mask=torch.ones(t, s, dtype=torch.bool).triu(1)),
+    ),
+    "float 3-D mask, per-head weights": (
+        {},
+        lambda t, s: dict(
+            attn_mask=torch.randn(N * HEADS, t, s, dtype=D), average_attn_weights=False
+        ),
+    ),
+    "causal hint with its mask, no weights": (
+        {},
+        lambda t, s: dict(
+            attn_mask=nn.Transformer.generate_square_subsequent_mask(t, dtype=D),
+            is_causal=True,
+            need_weights=False,
+        ),
+    ),
+    "padding mask and weights": (
+        dict(batch_first=True),
+        lambda t, s: dict(key_padding_mask=torch.arange(s).expand(N, s) >= s - 1),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(OPTIONS))
+def test_the_engine_attention_forward_computes_what_the_module_computes(case: str) -> None:
+    """Outputs, attention weights and input gradients of an attached module equal its own forward's."""
+    build, call = OPTIONS[case]
+    torch.manual_seed(0)
+    attn = nn.MultiheadAttention(E, HEADS, dtype=D, **build)
+    x = torch.randn(L, N, E, dtype=D)
+    if attn.batch_first:
+        x = x.transpose(0, 1).contiguous()
+    kwargs = call(L, L)
+    results = []
+    for attached in (False, True):
+        p = KFACPreconditioner(attn, kl_clip=None) if attached else None
+        xi = x.clone().requires_grad_()
+        out, weights = attn(xi, xi, xi, **kwargs)
+        out.square().sum().backward()
+        results.append((out, weights, xi.grad))
+        if p is not None:
+            assert all(layer.a_batch.total is not None for layer in p.layers.values())
+            p.remove()
+    for got, want in zip(results[1], results[0]):
+        if want is None:
+            assert got is None
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
