@@ -54,8 +54,9 @@ __all__ = ["STAGES", "KFACPreconditioner", "resolve_dtypes"]
 
 
 class KFACPreconditioner:
-    """Distributed K-FAC preconditioner for the ``nn.Linear`` and ``nn.Conv2d`` layers of a model (and any
-    layer type registered with :func:`~kfac_bench.kfac.register_layer_type`).
+    """Distributed K-FAC preconditioner for the ``nn.Linear``, ``nn.Conv2d``, ``nn.Conv1d`` and
+    ``nn.MultiheadAttention`` layers of a model (and any layer type registered with
+    :func:`~kfac_bench.kfac.register_layer_type`).
 
     ``step()`` rewrites the ``.grad`` of every registered layer with its K-FAC preconditioned (and KL-clipped)
     gradient; any optimizer then applies it. Other parameters keep their plain gradients.

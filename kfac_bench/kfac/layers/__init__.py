@@ -1,8 +1,9 @@
 """WHAT each layer type contributes to K-FAC: a plain registry from module type to handler.
 
-``nn.Linear`` and ``nn.Conv2d`` are registered here, the layer types of the papers (SC20 §V); every other
-module keeps its plain gradient. Other code registers more types the same way, e.g. a Linear-equivalent layer
-that stores its weight transposed::
+``nn.Linear`` and ``nn.Conv2d`` are registered here, the layer types of the papers (SC20 §V), with
+``nn.Conv1d`` (:mod:`.conv1d`) and the q/k/v projections of ``nn.MultiheadAttention`` (:mod:`.attention`);
+every other module keeps its plain gradient. Other code registers more types the same way, e.g. a
+Linear-equivalent layer that stores its weight transposed::
 
     register_layer_type(Conv1D, LinearHandler(transposed=True))
 
