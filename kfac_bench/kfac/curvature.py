@@ -14,6 +14,7 @@ decomposition failed even in float64.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -52,6 +53,9 @@ class Curvature:
         self.warn = warn
         self._step_reduction: StepReduction | None = None
         self._announced = False
+        #: ``'expand'``'s loss terms of the running step on this rank (set by the preconditioner to
+        #: :attr:`.capture.Capture.step_terms`).
+        self.step_terms: Callable[[], int] = lambda: 0
 
     # ------------------------------------------------------------------ stage 1: factors
     def factors_final(self, layer: LayerState) -> None:
@@ -59,11 +63,28 @@ class Curvature:
         if not self.comm.distributed:
             return
         if self._step_reduction is None:
-            self._step_reduction = self.comm.start_reduction()
+            self._step_reduction = self._start_reduction()
         for kind, acc in ((Factor.G, layer.g_batch), (Factor.A, layer.a_batch)):
-            f = acc.pop(self.scaling, kind is Factor.G)
+            count = acc.count
+            f = acc.pop(self.scaling, kind is Factor.G, self._count(layer, kind))
             if f is not None:
-                self._step_reduction.add(f"{layer.name}/{kind}", f)
+                self._step_reduction.add(f"{layer.name}/{kind}", f, count)
+
+    def _by_terms(self, layer: LayerState) -> bool:
+        """Whether the layer's G is normalised by the step's loss terms (Linear-type under ``'expand'``)."""
+        return self.scaling is FactorScaling.EXPAND and not layer.spatial
+
+    def _count(self, layer: LayerState, kind: Factor) -> int | None:
+        """The count G is normalised with where it is not the layer's own: ``'expand'``'s ``L`` summed over
+        every backward pass of the step, also those the layer sat out (an MoE expert no token reached in
+        one micro-batch is still a layer of that micro-batch's loss)."""
+        if kind is Factor.G and self._by_terms(layer):
+            return self.step_terms() or None
+        return None
+
+    def _start_reduction(self) -> StepReduction:
+        by_terms = frozenset(f"{n}/{Factor.G}" for n, s in self.layers.items() if self._by_terms(s))
+        return self.comm.start_reduction(by_terms, self.step_terms())
 
     def reduction_bytes(self) -> tuple[int, int]:
         """Bytes of this step's reduction: batch factors handed to it and not yet packed (their bucket is
@@ -74,7 +95,7 @@ class Curvature:
     def update_factors(self, decay: float) -> None:
         """Batch factors of this step -> averaged across ranks -> folded into the running averages."""
         reduction, self._step_reduction = self._step_reduction, None
-        reduction = reduction or self.comm.start_reduction()
+        reduction = reduction or self._start_reduction()
         with self.timer(Stage.FACTOR):
             self._hand_over(reduction)
         with self.timer(Stage.FACTOR_COMM):
@@ -87,9 +108,10 @@ class Curvature:
         ``"<layer>/a"``); only the reduction keeps them, so packing a bucket frees its factors."""
         for name, layer in self.layers.items():
             for kind, acc in ((Factor.A, layer.a_batch), (Factor.G, layer.g_batch)):
-                f = acc.pop(self.scaling, kind is Factor.G)
+                count = acc.count
+                f = acc.pop(self.scaling, kind is Factor.G, self._count(layer, kind))
                 if f is not None:
-                    reduction.hold(f"{name}/{kind}", f)
+                    reduction.hold(f"{name}/{kind}", f, count)
 
     def _update_running_factors(self, batch: dict[str, torch.Tensor], decay: float) -> None:
         """Fold ``batch`` (consumed: a bucket's buffer is freed once its last factor is folded in)."""

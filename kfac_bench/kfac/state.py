@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -14,6 +15,12 @@ from .factors import normalise
 from .layers import Gram, LayerHandler
 from .options import Factor, FactorScaling
 from .second_order import Parts, Result
+
+
+class Removable(Protocol):
+    """A handle with ``remove()`` (a hook's, or the attention forward's, :mod:`.layers.attention`)."""
+
+    def remove(self) -> None: ...
 
 
 @dataclass
@@ -27,12 +34,15 @@ class Accumulator:
         self.total = weighted_sum if self.total is None else self.total.add_(weighted_sum)
         self.count += count
 
-    def pop(self, scaling: FactorScaling, is_g: bool) -> torch.Tensor | None:
+    def pop(
+        self, scaling: FactorScaling, is_g: bool, count: int | None = None
+    ) -> torch.Tensor | None:
         """The normalised batch factor, in the accumulated sum's own buffer (None if nothing was
-        accumulated); resets the accumulator."""
+        accumulated), normalised with ``count`` in place of the accumulated one when given; resets the
+        accumulator."""
         if self.total is None:
             return None
-        out = normalise(self.total, self.count, scaling, is_g)
+        out = normalise(self.total, self.count if count is None else count, scaling, is_g)
         self.total, self.count = None, 0
         return out
 
@@ -49,6 +59,13 @@ class Call:
     nested: bool = False
     # The rows of output positions its factors use (``factor_position_fraction`` < 1); None: all.
     positions: torch.Tensor | None = None
+    # The autograd node whose gradient is the call's output gradient: a backward pass counts the call
+    # (rows in L, its G) only if it executes this node. Dropped once the gradient arrived.
+    node: Any = None
+    # Rows of a Linear-type call, for L (0 for convolutions).
+    row_count: int = 0
+    # The backward pass that delivers its gradient (-2: not known yet).
+    task: int = -2
 
 
 @dataclass
@@ -80,13 +97,18 @@ class LayerState:
     not_ready_reason: str | None = None
     # Device-side flag: a non-finite batch factor was skipped since the last check (no host sync to set).
     nonfinite: torch.Tensor | None = None
-    handles: list[RemovableHandle] = field(default_factory=list)
+    handles: list[RemovableHandle | Removable] = field(default_factory=list)
     # Whether an output gradient ever reached the layer's hooks (run-time coverage).
     received: bool = False
     # A run-time reason to leave the layer out for good (a ``Coverage`` key, e.g. "read_outside_call").
     left_out: str | None = None
     # ``id`` of the weight parameter it was registered with (a pruned or replaced weight differs).
     param_id: int = 0
+    # The attention module that runs the engine's forward while this layer is registered (its q/k/v
+    # projections and out_proj, see :mod:`.layers.attention`); None for other layers.
+    attention: nn.Module | None = None
+    # In eval() mode while its weight had a gradient at the last step() (kept its plain gradient).
+    eval_mode: bool = False
 
     @property
     def spatial(self) -> bool:

@@ -209,7 +209,7 @@ def test_remove_restores_plain_training() -> None:
         assert torch.equal(a, b)
 
 
-def test_multihead_attention_out_proj_is_left_out_as_used_functionally(
+def test_multihead_attention_skipped_by_rule_leaves_out_proj_out_as_used_functionally(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     class Attn(nn.Module):
@@ -225,10 +225,12 @@ def test_multihead_attention_out_proj_is_left_out_as_used_functionally(
 
     model = Attn()
     with caplog.at_level(logging.INFO, logger="kfac_bench.kfac"):
-        p = KFACPreconditioner(model)
-    # out_proj is an nn.Linear, but F.multi_head_attention_forward reads its weight directly.
+        p = KFACPreconditioner(model, skip_layers=["MultiheadAttention"])
+    # Skipped, the attention module runs its own forward: F.multi_head_attention_forward reads out_proj's
+    # weight directly, so that nn.Linear is left out, not preconditioned from hooks that never fire.
     assert "attn.out_proj" not in p.layers and set(p.layers) == {"inp", "out"}
     assert p.coverage().left_out["used_functionally"] == ("attn.out_proj",)
+    assert p.coverage().left_out["skipped_by_rule"] == ("attn",)
     assert any("used functionally 1 (attn.out_proj)" in r.getMessage() for r in caplog.records)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for _ in range(3):
