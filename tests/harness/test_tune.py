@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from kfac_bench.commands import train as train_command
 from kfac_bench.cli import main as cli_main
+from kfac_bench.commands import train as train_command
 from kfac_bench.commands import tune
 from kfac_bench.commands.tune_rank import points_of, rank
 from kfac_bench.compare.fairness import run_flags
@@ -252,9 +252,9 @@ def test_output_mistakes_are_one_line_before_any_run(
     a_file = tmp_path / "file"
     a_file.write_text("mine")
     base = ["+recipe=digits_smoke", *GRID]
-    with pytest.raises(UserError, match="--out .* is a file"):
+    with pytest.raises(UserError, match=r"--out .* is a file"):
         tune.main([*base, "--out", str(a_file)])
-    with pytest.raises(UserError, match="--out-config .* is a file"):
+    with pytest.raises(UserError, match=r"--out-config .* is a file"):
         tune.main([*base, "--out", str(tmp_path / "t1"), "--out-config", str(a_file)])
     # A link planted where recipe/ goes is refused, its target untouched.
     (tmp_path / "victim").mkdir()
@@ -268,10 +268,14 @@ def test_output_mistakes_are_one_line_before_any_run(
 
 
 def test_two_tunes_into_one_config_dir_are_refused(tmp_path: Path) -> None:
-    with tune._config_lock(tmp_path / "conf"):
-        with pytest.raises(UserError, match="another tune is writing"):
-            with tune._config_lock(tmp_path / "conf"):
-                pass
+    first = tune._config_lock(tmp_path / "conf")
+    first.__enter__()
+    with (
+        pytest.raises(UserError, match="another tune is writing"),
+        tune._config_lock(tmp_path / "conf"),
+    ):
+        pass
+    first.__exit__(None, None, None)
     with tune._config_lock(tmp_path / "conf"):  # released with the first tune
         pass
 
@@ -341,3 +345,39 @@ def test_tune_sweeps_both_arms_and_writes_tuned_recipes_that_compose(tmp_path: P
         sweep = tmp_path / f"sweep{n}"
         assert train_command.main(miniature(sweep_args, sweep, tmp_path / "data", conf)) == 0
         check_baselines(where, sweep)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_tune_after_the_current_run_and_the_same_command_continues(
+    tmp_path: Path,
+) -> None:
+    import signal
+    import time
+
+    from tests.harness.fault_util import fault, run, start
+    from tests.harness.util import TINY_SETTINGS
+
+    marker = tmp_path / "held"
+    out = tmp_path / "tune"
+    args = ["tune", "+recipe=digits_smoke", "--baseline", "digits_sgd", "--lrs", "0.1"]
+    args += ["--dampings", "0.003", "--seeds", "0", "1", "--epochs", "1", "--out", str(out)]
+    args += ["--out-config", str(tmp_path / "conf"), *TINY_SETTINGS, "train.targets.top1=0.05"]
+    # The first run holds at its second step until a signal comes from outside.
+    proc = start(*args, *fault(marker, 2, "hold"), cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), proc.communicate()[1][-2000:]
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 75, stderr[-2000:]
+    assert "Run the same command to continue" in stdout
+    started = sorted(p.relative_to(out).as_posix() for p in out.glob("*/*") if p.is_dir())
+    assert started == ["sgd/lr0.1_seed0"]  # the current run checkpointed; no other started
+    assert (out / "sgd" / "lr0.1_seed0" / "checkpoints").is_dir()
+    again = run(*args, *fault(marker, 2, "hold"), cwd=tmp_path, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "continuing" in again.stdout and "0 of 4 runs finished" in again.stdout
+    assert "resumed at step" in again.stdout  # the preempted run resumed from its checkpoint
+    assert len(list(out.glob("*/*/summary.json"))) == 4
+    assert (tmp_path / "conf" / "recipe" / "digits_smoke_tuned.yaml").is_file()
