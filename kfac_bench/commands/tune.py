@@ -23,23 +23,28 @@ the tune's folder as its campaign.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
-import fcntl
 import io
 import json
 import math
 import os
 import shlex
-import signal
-import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kfac_bench.commands.tune_rank import Point, Ranking, censored_time, points_of, rank
+from kfac_bench.commands import tune_files
+from kfac_bench.commands.tune_rank import (
+    Point,
+    Ranking,
+    censored_time,
+    plot_png,
+    points_of,
+    rank,
+    table,
+)
 
 __all__ = ["EXIT_NOT_REACHED", "SUMMARY", "Point", "censored_time", "main", "score"]
 
@@ -52,10 +57,6 @@ SUMMARY = """\
 _BASELINE_SUFFIXES = ("_sgd", "_lamb")
 #: Exit status when an arm has no point that reached the target: no tuned recipe was written.
 EXIT_NOT_REACHED = 1
-#: The grid record in the tune's folder.
-GRID_FILE = "tune.json"
-#: The lock, in ``--out-config``'s ``recipe/``, held while a tune may write there.
-LOCK_FILE = ".kfac-bench-tune.lock"
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,21 @@ class Job:
         return f"lr{self.lr:g}{damping}_seed{self.seed}"
 
 
+def _grid_record(
+    name: str, arms: Sequence[Arm], ns: argparse.Namespace, lrs: list[float], dampings: list[float]
+) -> dict[str, Any]:
+    return {
+        "recipe": name,
+        "baseline": arms[0].recipe,
+        "lrs": lrs,
+        "dampings": dampings,
+        "seeds": list(ns.seeds),
+        "epochs": ns.epochs,
+        "overrides": [o for o in ns.overrides],
+        "config_dirs": list(ns.config_dirs),
+    }
+
+
 def _jobs(
     arms: Sequence[Arm], lrs: Sequence[float], dampings: Sequence[float], seeds: Sequence[int]
 ) -> list[Job]:
@@ -323,267 +339,6 @@ def _run_jobs(
     return 0, ran
 
 
-def _grid_record(
-    name: str, arms: Sequence[Arm], ns: argparse.Namespace, lrs: list[float], dampings: list[float]
-) -> dict[str, Any]:
-    return {
-        "recipe": name,
-        "baseline": arms[0].recipe,
-        "lrs": lrs,
-        "dampings": dampings,
-        "seeds": list(ns.seeds),
-        "epochs": ns.epochs,
-        "overrides": [o for o in ns.overrides],
-        "config_dirs": list(ns.config_dirs),
-    }
-
-
-def _claim_out(out: Path, grid: dict[str, Any]) -> bool:
-    """Make (or take up again) the tune's folder: a new or empty folder gets the grid record; a folder
-    holding the same grid's record is continued (returns True). Checked before any run.
-
-    Raises:
-        UserError: ``out`` is a file, cannot be made, holds another grid or something not a tune's.
-    """
-    from kfac_bench import safe_files
-    from kfac_bench.errors import UserError
-
-    safe_files.output_folder(out, f"tune: --out '{out}'", "the tune's runs and tables")
-    record = out / GRID_FILE
-    if os.path.lexists(record):
-        text = safe_files.read_head(record, 1 << 20)
-        try:
-            before = json.loads(text) if text is not None else None
-        except ValueError:
-            before = None
-        if not isinstance(before, dict):
-            raise UserError(
-                f"tune: {record} is not a tune's grid record; choose a new --out folder"
-            )
-        differ = [k for k in grid if before.get(k) != grid[k]]
-        if differ:
-            k = differ[0]
-            raise UserError(
-                f"tune: --out {out} holds a tune of another grid ({k}: {before.get(k)} there, "
-                f"{grid[k]} now); run the same command to continue it, or choose a new --out folder"
-            )
-        return True
-    if any(out.iterdir()):
-        raise UserError(f"tune: --out {out} is not empty and holds no tune; choose a new folder")
-    safe_files.write_atomic(record, json.dumps(grid, indent=1) + "\n")
-    return False
-
-
-@contextlib.contextmanager
-def _config_lock(config_out: Path) -> Iterator[Path]:
-    """``config_out/recipe`` made (not through a link) and locked for this tune: a second tune into the
-    same config dir is refused at its start, in one line, before any run.
-
-    Raises:
-        UserError: the folder cannot be made, is a link or a file, or another tune holds it.
-    """
-    from kfac_bench import safe_files
-    from kfac_bench.errors import UserError
-
-    named = f"tune: --out-config '{config_out}'"
-    safe_files.output_folder(config_out, named, "the tuned recipes")
-    try:
-        recipes = safe_files.ensure_dir(config_out / "recipe")
-    except OSError as exc:
-        raise UserError(f"{named}: cannot make recipe/ there ({exc.strerror})") from None
-    if not os.access(recipes, os.W_OK):
-        raise UserError(f"{named} is not writable: give a writable folder")
-    fd = safe_files.open_in_place(recipes / LOCK_FILE, append=True)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UserError(
-                f"{named}: another tune is writing its tuned recipes there (lock {recipes / LOCK_FILE}); "
-                "wait for it or give another --out-config"
-            ) from None
-        yield recipes
-    finally:
-        os.close(fd)
-
-
-def _recipe_text(
-    path_stem: str,
-    parent: str,
-    parent_cfg: dict[str, Any],
-    best: Point,
-    arm: Arm,
-    source: str,
-    run_command: str,
-) -> str:
-    """The tuned recipe: ``parent`` with the values ``best``'s runs ran where they differ from the
-    parent's, and a tuning record holding exactly those runs' values."""
-    import yaml
-
-    from kfac_bench.config import flat_config
-
-    ran = best.values(arm.sections)
-    values = json.loads(json.dumps(ran))  # plain data, as summary.json holds it
-    parent_flat = flat_config({k: parent_cfg.get(k) or {} for k in arm.sections})
-    tuned: dict[str, Any] = {}
-    for key, value in flat_config(values).items():
-        if key in parent_flat and parent_flat[key] == value:
-            continue
-        node = tuned
-        *parts, last = key.split(".")
-        for part in parts:
-            node = node.setdefault(part, {})
-        node[last] = value
-    body = {
-        "defaults": [parent, "_self_"],
-        "name": path_stem,
-        **tuned,
-        "tuning": {"arm": arm.key, "source": source, "values": values},
-    }
-    header = (
-        "# @package _global_\n"
-        f"# {run_command}\n"
-        f"# Written by kfac-bench tune: recipe {parent} at its best grid point (seeds reaching the target,\n"
-        "# then median epochs to target; the clock only where its interval separates). The tuning record\n"
-        "# holds the values its runs ran.\n"
-    )
-    return header + yaml.safe_dump(body, sort_keys=False)
-
-
-def _write_pair(recipes: Path, texts: dict[str, str]) -> None:
-    """Put the tuned recipes in place as a unit: every file written and synced under a temporary name
-    first, then renamed over its name back to back with the stop signals held, so a kill leaves the
-    earlier pair or the new one (a SIGKILL could only fall between two renames) and never a part file."""
-    from kfac_bench import safe_files
-
-    staged: list[tuple[Path, Path]] = []
-    try:
-        for name, text in texts.items():
-            target = recipes / f"{name}.yaml"
-            safe_files.check_not_link(target)
-            fd, tmp = safe_files.temp_file(recipes, target.name)
-            staged.append((tmp, target))
-            with os.fdopen(fd, "wb") as f:
-                f.write(text.encode("utf-8"))
-                f.flush()
-                os.fsync(f.fileno())
-        held = signal.pthread_sigmask(
-            signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2}
-        )
-        try:
-            for tmp, target in staged:
-                os.replace(tmp, target)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
-    finally:
-        for tmp, _ in staged:
-            tmp.unlink(missing_ok=True)
-    with contextlib.suppress(OSError):
-        dfd = os.open(recipes, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-
-
-def _spread(values: Sequence[float], digits: int = 2) -> str:
-    finite = [v for v in values if math.isfinite(v)]
-    if not finite:
-        return "never"
-    med = statistics.median(values)
-    text = "never" if math.isinf(med) else f"{med:.{digits}f}".rstrip("0").rstrip(".")
-    low, high = min(finite), max(values)
-    high_text = "never" if math.isinf(high) else f"{high:.{digits}f}".rstrip("0").rstrip(".")
-    low_text = f"{low:.{digits}f}".rstrip("0").rstrip(".")
-    return text if len(values) < 2 or low_text == high_text else f"{text} [{low_text}-{high_text}]"
-
-
-def _table(rankings: dict[str, Ranking], budget: str) -> tuple[str, list[list[Any]]]:
-    head = [
-        "arm",
-        "lr",
-        "damping",
-        "seeds",
-        "reached",
-        "epochs to target",
-        "time to target (s)",
-        "rank",
-    ]
-    rows = []
-    for arm, ranking in rankings.items():
-        for i, p in enumerate(ranking.points, 1):
-            mark = "best" if p is ranking.best and ranking.reached else ""
-            if p in ranking.tied and p is not ranking.best:
-                mark = "tied with best"
-            rows.append(
-                [
-                    arm,
-                    f"{p.lr:g}",
-                    "" if p.damping is None else f"{p.damping:g}",
-                    " ".join(str(s) for s in p.seeds),
-                    f"{p.reached}/{len(p.summaries)}",
-                    _spread(p.epochs),
-                    _spread(p.times),
-                    f"{i}" + (f" ({mark})" if mark else ""),
-                ]
-            )
-    lines = [
-        f"Budget: {budget}. Ranked by seeds reaching the target, then median epochs to target (counted, so "
-        "the machine's load cannot move it); the clock breaks a tie only where the 95 % interval of the "
-        "time ratio (paired by seed) separates two points, else they are tied and the smaller LR (then "
-        "the larger damping) is chosen. Cells: median [min-max] over seeds; a seed that missed or "
-        "diverged counts as never for epochs; for time, a missed seed counts its whole training time (a "
-        "lower bound) and a diverged one never.",
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
-        *("| " + " | ".join(r) + " |" for r in rows),
-        "",
-        *(f"- {arm}: {r.reason}" for arm, r in rankings.items()),
-    ]
-    return "\n".join(lines) + "\n", [head, *rows]
-
-
-def _plot_png(points: list[Point]) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    lines: dict[tuple[str, float | None], list[Point]] = {}
-    for p in points:
-        lines.setdefault((p.arm, p.damping), []).append(p)
-    for (arm, damping), pts in sorted(lines.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
-        pts.sort(key=lambda p: p.lr)
-        label = arm if damping is None else f"{arm}, damping {damping:g}"
-        finite = [p for p in pts if math.isfinite(p.median_epochs)]
-        (line,) = ax.plot(
-            [p.lr for p in finite], [p.median_epochs for p in finite], marker="o", label=label
-        )
-        missed = [p for p in finite if p.reached < len(p.summaries)]
-        ax.plot(
-            [p.lr for p in missed],
-            [p.median_epochs for p in missed],
-            "x",
-            color=line.get_color(),
-            ms=10,
-        )
-    ax.set_xscale("log")
-    ax.set_xlabel("learning rate")
-    ax.set_ylabel("median epochs to target")
-    ax.set_title(
-        "tune: x = some seeds missed the target; points that never reached: not drawn", fontsize=9
-    )
-    if lines:
-        ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    return buf.getvalue()
-
-
 def _config_out(ns: argparse.Namespace, out: Path) -> Path:
     """Where the tuned recipes go: ``--out-config``, else the user's config dir (the last ``--config-dir``,
     the one a run reads), else ``OUT/config``. A run of the tuned pair reads one config dir, which must
@@ -635,9 +390,9 @@ def main(args: Sequence[str]) -> int:
             f"tune: --out '{out}' is a file, not a folder: give a folder for the tune's runs"
         )
     config_out = _config_out(ns, out)
-    with _config_lock(config_out) as recipes:  # checked (and held) before any run
+    with tune_files.config_lock(config_out) as recipes:  # checked (and held) before any run
         grid = _grid_record(name, arms, ns, lrs, dampings)
-        again = _claim_out(out, grid)
+        again = tune_files.claim_out(out, grid)
         jobs = _jobs(arms, lrs, dampings, ns.seeds)
         if again:
             done = sum(_finished(out / j.arm.key / j.folder) is not None for j in jobs)
@@ -686,13 +441,13 @@ def _report(
             raise UserError(f"tune: no run of {arm.recipe} finished (see {out / arm.key})")
         rankings[arm.key] = rank(points_of(summaries, arm.key))
     command = shlex.join(["kfac-bench", "tune", *args])
-    markdown, rows = _table(rankings, budget)
+    markdown, rows = table(rankings, budget)
     safe_files.write_atomic(out / "tune.md", f"# {command}\n\n{markdown}")
     text = io.StringIO()
     csv.writer(text, lineterminator="\n").writerows(rows)
     safe_files.write_atomic(out / "tune.csv", text.getvalue())
     safe_files.write_atomic(
-        out / "tune.png", _plot_png([p for r in rankings.values() for p in r.points])
+        out / "tune.png", plot_png([p for r in rankings.values() for p in r.points])
     )
     print(markdown, end="")
     print(f"wrote {out / 'tune.md'}, {out / 'tune.csv'}, {out / 'tune.png'}")
@@ -719,16 +474,17 @@ def _report(
         )
         best = rankings[arm.key].best
         assert best is not None and isinstance(parent_cfg, dict)
-        texts[stem] = _recipe_text(
+        texts[stem] = tune_files.recipe_text(
             stem,
             arm.recipe,
             {str(k): v for k, v in parent_cfg.items()},
             best,
-            arm,
+            arm.sections,
+            arm.key,
             source,
             f"kfac-bench train +recipe={stem} {run_flags}",
         )
-    _write_pair(recipes, texts)
+    tune_files.write_pair(recipes, texts)
     fresh = list(range(max(ns.seeds) + 1, max(ns.seeds) + 1 + max(3, len(ns.seeds))))
     print(
         f"kfac-bench tune: tuned recipes {', '.join(texts)} in {recipes}; compare them on fresh seeds "

@@ -13,11 +13,13 @@ A grid point is a learning rate (and, for K-FAC, a damping) run over seeds. Its 
    tie goes to the smaller learning rate (then the larger damping): the more conservative values, never a
    difference the clock's noise made.
 
-:func:`rank` returns the points in that order with the winner's reason and the points tied with it.
+:func:`rank` returns the points in that order with the winner's reason and the points tied with it;
+:func:`table` and :func:`plot_png` show them (tune.md/.csv, tune.png).
 """
 
 from __future__ import annotations
 
+import io
 import math
 import statistics
 from collections.abc import Sequence
@@ -26,7 +28,16 @@ from typing import Any
 
 from kfac_bench.compare.stats import Obs, ratio_interval
 
-__all__ = ["Point", "Ranking", "censored_time", "points_of", "rank"]
+__all__ = [
+    "Point",
+    "Ranking",
+    "censored_time",
+    "plot_png",
+    "points_of",
+    "rank",
+    "spread_text",
+    "table",
+]
 
 
 @dataclass
@@ -167,3 +178,101 @@ def rank(points: Sequence[Point]) -> Ranking:
         "interval of the time ratio holds 1): the tie goes to the smaller LR (then the larger damping)"
     )
     return Ranking(ordered + rest, tied, reason)
+
+
+def spread_text(values: Sequence[float]) -> str:
+    """``median [min-max]`` of ``values`` (3 significant digits; inf reads "never")."""
+
+    def num(v: float) -> str:
+        return "never" if math.isinf(v) else f"{v:.3g}"
+
+    if not values or all(math.isinf(v) for v in values):
+        return "never"
+    text, low, high = num(statistics.median(values)), num(min(values)), num(max(values))
+    return text if low == high else f"{text} [{low}-{high}]"
+
+
+def table(rankings: dict[str, Ranking], budget: str) -> tuple[str, list[list[Any]]]:
+    head = [
+        "arm",
+        "lr",
+        "damping",
+        "seeds",
+        "reached",
+        "epochs to target",
+        "time to target (s)",
+        "rank",
+    ]
+    rows = []
+    for arm, ranking in rankings.items():
+        for i, p in enumerate(ranking.points, 1):
+            mark = "best" if p is ranking.best and ranking.reached else ""
+            if p in ranking.tied and p is not ranking.best:
+                mark = "tied with best"
+            rows.append(
+                [
+                    arm,
+                    f"{p.lr:g}",
+                    "" if p.damping is None else f"{p.damping:g}",
+                    " ".join(str(s) for s in p.seeds),
+                    f"{p.reached}/{len(p.summaries)}",
+                    spread_text(p.epochs),
+                    spread_text(p.times),
+                    f"{i}" + (f" ({mark})" if mark else ""),
+                ]
+            )
+    lines = [
+        f"Budget: {budget}. Ranked by seeds reaching the target, then median epochs to target (counted, so "
+        "the machine's load cannot move it); the clock breaks a tie only where the 95 % interval of the "
+        "time ratio (paired by seed) separates two points, else they are tied and the smaller LR (then "
+        "the larger damping) is chosen. Cells: median [min-max] over seeds; a seed that missed or "
+        "diverged counts as never for epochs; for time, a missed seed counts its whole training time (a "
+        "lower bound) and a diverged one never.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+        *("| " + " | ".join(r) + " |" for r in rows),
+        "",
+        *(f"- {arm}: {r.reason}" for arm, r in rankings.items()),
+    ]
+    return "\n".join(lines) + "\n", [head, *rows]
+
+
+def plot_png(points: list[Point]) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lines: dict[tuple[str, float | None], list[Point]] = {}
+    for p in points:
+        lines.setdefault((p.arm, p.damping), []).append(p)
+    for (arm, damping), pts in sorted(lines.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+        pts.sort(key=lambda p: p.lr)
+        label = arm if damping is None else f"{arm}, damping {damping:g}"
+        finite = [p for p in pts if math.isfinite(p.median_epochs)]
+        (line,) = ax.plot(
+            [p.lr for p in finite], [p.median_epochs for p in finite], marker="o", label=label
+        )
+        missed = [p for p in finite if p.reached < len(p.summaries)]
+        ax.plot(
+            [p.lr for p in missed],
+            [p.median_epochs for p in missed],
+            "x",
+            color=line.get_color(),
+            ms=10,
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("median epochs to target")
+    ax.set_title(
+        "tune: x = some seeds missed the target; points that never reached: not drawn", fontsize=9
+    )
+    if lines:
+        ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    return buf.getvalue()

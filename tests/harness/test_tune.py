@@ -14,8 +14,9 @@ from omegaconf import OmegaConf
 
 from kfac_bench.cli import main as cli_main
 from kfac_bench.commands import train as train_command
-from kfac_bench.commands import tune
+from kfac_bench.commands import tune, tune_files
 from kfac_bench.commands.tune_rank import points_of, rank
+from kfac_bench.commands.tune_rank import table as tune_rank_table
 from kfac_bench.compare.fairness import run_flags
 from kfac_bench.config.compose import compose_run
 from kfac_bench.errors import UserError
@@ -76,7 +77,7 @@ def test_the_clock_breaks_a_tie_only_where_its_interval_separates() -> None:
     tie = rank(points_of(noisy, "sgd"))
     assert [p.lr for p in tie.points] == [0.1, 0.4] and {p.lr for p in tie.tied} == {0.1, 0.4}
     assert "tied with 1 other point(s)" in tie.reason
-    table, rows = tune._table({"sgd": tie}, "budget")
+    table, rows = tune_rank_table({"sgd": tie}, "budget")
     assert [r[-1] for r in rows[1:]] == ["1 (best)", "2 (tied with best)"]
     assert "2.3 [2.3-6.53]" not in table and "4 [2.3-6.53]" in table  # median [min-max] shown
 
@@ -268,28 +269,28 @@ def test_output_mistakes_are_one_line_before_any_run(
 
 
 def test_two_tunes_into_one_config_dir_are_refused(tmp_path: Path) -> None:
-    first = tune._config_lock(tmp_path / "conf")
+    first = tune_files.config_lock(tmp_path / "conf")
     first.__enter__()
     with (
         pytest.raises(UserError, match="another tune is writing"),
-        tune._config_lock(tmp_path / "conf"),
+        tune_files.config_lock(tmp_path / "conf"),
     ):
         pass
     first.__exit__(None, None, None)
-    with tune._config_lock(tmp_path / "conf"):  # released with the first tune
+    with tune_files.config_lock(tmp_path / "conf"):  # released with the first tune
         pass
 
 
 def test_the_pair_is_written_whole_or_not_at_all_and_never_through_a_link(tmp_path: Path) -> None:
     recipes = tmp_path / "recipe"
     recipes.mkdir()
-    tune._write_pair(recipes, {"a_tuned": "a: 1\n", "b_tuned": "b: 1\n"})
+    tune_files.write_pair(recipes, {"a_tuned": "a: 1\n", "b_tuned": "b: 1\n"})
     victim = tmp_path / "victim.yaml"
     victim.write_text("precious")
     (recipes / "b_tuned.yaml").unlink()
     (recipes / "b_tuned.yaml").symlink_to(victim)
     with pytest.raises(UserError, match="symbolic link"):
-        tune._write_pair(recipes, {"a_tuned": "a: 2\n", "b_tuned": "b: 2\n"})
+        tune_files.write_pair(recipes, {"a_tuned": "a: 2\n", "b_tuned": "b: 2\n"})
     # Neither file of the second pair is in place, and no temporary file is left behind.
     assert (recipes / "a_tuned.yaml").read_text() == "a: 1\n" and victim.read_text() == "precious"
     assert sorted(p.name for p in recipes.iterdir()) == ["a_tuned.yaml", "b_tuned.yaml"]
