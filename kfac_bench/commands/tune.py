@@ -23,6 +23,7 @@ the tune's folder as its campaign.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import io
 import json
@@ -390,9 +391,13 @@ def main(args: Sequence[str]) -> int:
             f"tune: --out '{out}' is a file, not a folder: give a folder for the tune's runs"
         )
     config_out = _config_out(ns, out)
-    with tune_files.config_lock(config_out) as recipes:  # checked (and held) before any run
+    with contextlib.ExitStack() as stack:  # every folder checked (and locked) before any run
         grid = _grid_record(name, arms, ns, lrs, dampings)
         again = tune_files.claim_out(out, grid)
+        stack.enter_context(
+            tune_files.held(out / tune_files.LOCK_FILE, f"tune: another tune is running in {out}")
+        )
+        recipes = stack.enter_context(tune_files.config_lock(config_out))
         jobs = _jobs(arms, lrs, dampings, ns.seeds)
         if again:
             done = sum(_finished(out / j.arm.key / j.folder) is not None for j in jobs)

@@ -16,7 +16,15 @@ from typing import Any
 
 from kfac_bench.commands.tune_rank import Point
 
-__all__ = ["GRID_FILE", "LOCK_FILE", "claim_out", "config_lock", "recipe_text", "write_pair"]
+__all__ = [
+    "GRID_FILE",
+    "LOCK_FILE",
+    "claim_out",
+    "config_lock",
+    "held",
+    "recipe_text",
+    "write_pair",
+]
 
 #: The grid record in the tune's folder.
 GRID_FILE = "tune.json"
@@ -79,16 +87,27 @@ def config_lock(config_out: Path) -> Iterator[Path]:
         raise UserError(f"{named}: cannot make recipe/ there ({exc.strerror})") from None
     if not os.access(recipes, os.W_OK):
         raise UserError(f"{named} is not writable: give a writable folder")
-    fd = safe_files.open_in_place(recipes / LOCK_FILE, append=True)
+    with held(recipes / LOCK_FILE, f"{named}: another tune is writing its tuned recipes there"):
+        yield recipes
+
+
+@contextlib.contextmanager
+def held(lock: Path, busy: str) -> Iterator[None]:
+    """An exclusive lock on the file ``lock`` (made if missing, never through a link) for the block.
+
+    Raises:
+        UserError: another process holds it: ``busy``, with the lock's path and what to do.
+    """
+    from kfac_bench import safe_files
+    from kfac_bench.errors import UserError
+
+    fd = safe_files.open_in_place(lock, append=True)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise UserError(
-                f"{named}: another tune is writing its tuned recipes there (lock {recipes / LOCK_FILE}); "
-                "wait for it or give another --out-config"
-            ) from None
-        yield recipes
+            raise UserError(f"{busy} (lock {lock}); wait for it to end") from None
+        yield
     finally:
         os.close(fd)
 

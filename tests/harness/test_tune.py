@@ -211,6 +211,19 @@ def test_the_tuned_pair_holds_what_the_winning_runs_ran_on_a_smoke_twin(
     assert (out / "tune.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_by_default_the_pair_goes_into_the_tunes_folder_and_a_rerun_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = _fake(monkeypatch, _by_lr)
+    out = tmp_path / "tune"
+    assert tune.main(["+recipe=digits_smoke", *GRID, "--out", str(out)]) == 0
+    assert (out / "config" / "recipe" / "digits_smoke_tuned.yaml").is_file()
+    before = (out / "config" / "recipe" / "digits_smoke_tuned.yaml").read_text()
+    assert tune.main(["+recipe=digits_smoke", *GRID, "--out", str(out)]) == 0
+    assert len(fake.calls) == 12  # every run finished the first time: none runs again
+    assert (out / "config" / "recipe" / "digits_smoke_tuned.yaml").read_text() == before
+
+
 def test_an_arm_that_never_reached_gets_no_tuned_recipe_and_exit_1(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
