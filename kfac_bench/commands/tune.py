@@ -9,7 +9,7 @@ of the machine's load falls on both arms alike. Each job has its own run directo
 SIGTERM: the current job checkpoints, no other starts, exit 75) continues from its finished runs and resumes
 the interrupted one; ``tune.json`` records the grid and a different one is refused there.
 
-Each arm's points are ranked by :mod:`kfac_bench.commands.tune_rank`: seeds reaching the target, then the
+Each arm's points are ranked by :mod:`kfac_bench.commands.tuning.rank`: seeds reaching the target, then the
 median epochs to target, the clock only as a tie-break where its interval separates. The winners become
 recipes in the config dir the user names, ``NAME_tuned.yaml`` and ``NAME_sgd_tuned.yaml``: ``defaults:
 [NAME]``, the values the winning runs ran where they differ from the recipe, and a ``tuning`` record holding
@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kfac_bench.commands import tune_files
-from kfac_bench.commands.tune_rank import (
+from kfac_bench.commands.tuning import files as tune_files
+from kfac_bench.commands.tuning.rank import (
     Point,
     Ranking,
     censored_time,
@@ -73,7 +73,7 @@ class Arm:
 
 
 def score(summaries: Sequence[dict[str, Any]], arm: str) -> list[Point]:
-    """The grid points of ``arm``'s run summaries, best first (:func:`kfac_bench.commands.tune_rank.rank`)."""
+    """The grid points of ``arm``'s run summaries, best first (:func:`.tuning.rank.rank`)."""
     return rank(points_of(summaries, arm)).points
 
 

@@ -14,9 +14,10 @@ from omegaconf import OmegaConf
 
 from kfac_bench.cli import main as cli_main
 from kfac_bench.commands import train as train_command
-from kfac_bench.commands import tune, tune_files
-from kfac_bench.commands.tune_rank import points_of, rank
-from kfac_bench.commands.tune_rank import table as tune_rank_table
+from kfac_bench.commands import tune
+from kfac_bench.commands.tuning import files as tune_files
+from kfac_bench.commands.tuning.rank import points_of, rank
+from kfac_bench.commands.tuning.rank import table as tune_rank_table
 from kfac_bench.compare.fairness import run_flags
 from kfac_bench.config.compose import compose_run
 from kfac_bench.errors import UserError

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kfac_bench.commands.tune_rank import Point
+from kfac_bench.commands.tuning.rank import Point
 
 __all__ = [
     "GRID_FILE",
