@@ -310,6 +310,39 @@ def test_the_pair_is_written_whole_or_not_at_all_and_never_through_a_link(tmp_pa
     assert sorted(p.name for p in recipes.iterdir()) == ["a_tuned.yaml", "b_tuned.yaml"]
 
 
+def test_a_failed_rename_puts_the_earlier_pair_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    recipes = tmp_path / "recipe"
+    recipes.mkdir()
+    tune_files.write_pair(recipes, {"a_tuned": "a: 1\n", "b_tuned": "b: 1\n"})
+    real, calls = os.replace, []
+
+    def second_fails(src: Any, dst: Any) -> None:
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(5, "Input/output error")
+        real(src, dst)
+
+    monkeypatch.setattr(tune_files.os, "replace", second_fails)
+    with pytest.raises(OSError):
+        tune_files.write_pair(recipes, {"a_tuned": "a: 2\n", "b_tuned": "b: 2\n"})
+    monkeypatch.setattr(tune_files.os, "replace", real)
+    assert (recipes / "a_tuned.yaml").read_text() == "a: 1\n"  # the first rename undone
+    assert (recipes / "b_tuned.yaml").read_text() == "b: 1\n"
+    assert sorted(p.name for p in recipes.iterdir()) == ["a_tuned.yaml", "b_tuned.yaml"]
+    # A first pair that fails half-way leaves no recipe at all.
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    calls.clear()
+    monkeypatch.setattr(tune_files.os, "replace", second_fails)
+    with pytest.raises(OSError):
+        tune_files.write_pair(fresh, {"a_tuned": "a: 2\n", "b_tuned": "b: 2\n"})
+    assert not list(fresh.iterdir())
+
+
 def test_tune_out_a_file_is_one_line_from_the_cli(tmp_path: Path) -> None:
     a_file = tmp_path / "file"
     a_file.write_text("x")

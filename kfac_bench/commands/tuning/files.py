@@ -158,11 +158,19 @@ def recipe_text(
 
 def write_pair(recipes: Path, texts: dict[str, str]) -> None:
     """Put the tuned recipes in place as a unit: every file written and synced under a temporary name
-    first, then renamed over its name back to back with the stop signals held, so a kill leaves the
-    earlier pair or the new one (a SIGKILL could only fall between two renames) and never a part file."""
+    first, the files it replaces kept under a second temporary name (a hard link), then the new files
+    renamed over their names back to back with the stop signals held. A failed rename puts every file
+    back as it was (both or neither); a kill leaves the earlier pair or the new one (a SIGKILL could only
+    fall between two renames), never a part file or an empty one.
+
+    Raises:
+        LinkRefused: a recipe's name is a link (nothing is replaced).
+    """
     from kfac_bench import safe_files
 
     staged: list[tuple[Path, Path]] = []
+    kept: dict[Path, Path] = {}
+    done: list[Path] = []
     try:
         for name, text in texts.items():
             target = recipes / f"{name}.yaml"
@@ -173,17 +181,32 @@ def write_pair(recipes: Path, texts: dict[str, str]) -> None:
                 f.write(text.encode("utf-8"))
                 f.flush()
                 os.fsync(f.fileno())
+        for _, target in staged:
+            if os.path.lexists(target):
+                fd, old = safe_files.temp_file(recipes, target.name + ".old")
+                os.close(fd)
+                os.unlink(old)
+                os.link(target, old, follow_symlinks=False)
+                kept[target] = old
         held = signal.pthread_sigmask(
             signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2}
         )
         try:
             for tmp, target in staged:
                 os.replace(tmp, target)
+                done.append(target)
+        except BaseException:
+            for target in done:  # back as it was: the earlier file, or none
+                if target in kept:
+                    os.replace(kept.pop(target), target)
+                else:
+                    target.unlink(missing_ok=True)
+            raise
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
     finally:
-        for tmp, _ in staged:
-            tmp.unlink(missing_ok=True)
+        for path in [*(tmp for tmp, _ in staged), *kept.values()]:
+            path.unlink(missing_ok=True)
     with contextlib.suppress(OSError):
         dfd = os.open(recipes, os.O_RDONLY | os.O_DIRECTORY)
         try:
