@@ -245,7 +245,7 @@ def _grid_record(
         "dampings": dampings,
         "seeds": list(ns.seeds),
         "epochs": ns.epochs,
-        "overrides": [o for o in ns.overrides],
+        "overrides": list(ns.overrides),
         "config_dirs": list(ns.config_dirs),
     }
 
@@ -317,9 +317,8 @@ def _run_jobs(
     from kfac_bench.commands import train as train_command
     from kfac_bench.launcher.signals import EXIT_REQUEUE, PreemptionFlag
 
-    flag = (
-        PreemptionFlag().install()
-    )  # a run installs its own over it and hands a signal back to it
+    # A run installs its own flag over this one and hands the signal back to it when it has stopped.
+    flag = PreemptionFlag().install()
     ran = 0
     try:
         for n, job in enumerate(jobs, 1):
