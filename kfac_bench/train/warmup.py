@@ -56,7 +56,7 @@ def warm_up(loop: Loop, stages: Any | None = None) -> bool:
     if len(batches) < loop.accumulation_steps:
         return False
     parts = {k: p for k, p in loop.checkpoints.parts.items() if k in RESTORED_PARTS}
-    saved = {k: copy.deepcopy(p.state_dict()) for k, p in parts.items()}
+    saved = {k: _host_copy(p.state_dict()) for k, p in parts.items()}
     before = stages.totals() if stages is not None else {}
     was_training = loop.module.training
     loop.module.train()
@@ -74,6 +74,23 @@ def warm_up(loop: Loop, stages: Any | None = None) -> bool:
         for k, v in after.items():
             stages.offset[k] = stages.offset.get(k, 0.0) - (v - before.get(k, 0.0))
     return True
+
+
+def _host_copy(obj: Any) -> Any:
+    """A copy of a state dict with every tensor copied to host memory: the snapshot never doubles what
+    the device holds (``load_state_dict`` puts each tensor back on its part's device)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        out = copy.copy(
+            obj
+        )  # keeps the mapping's type (an OrderedDict's order, a defaultdict's factory)
+        for k, v in obj.items():
+            out[k] = _host_copy(v)
+        return out
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_host_copy(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 def _step(loop: Loop, batches: list[Any]) -> None:
