@@ -85,8 +85,8 @@ class Interval:
         seeds_for_power: seeds per arm that the observed spread needs to detect a true ratio of
             :data:`POWER_RATIO` with :data:`POWER` probability (module docstring); None without a spread
             (under two pairs or runs per arm, a censored run) or beyond :data:`_MAX_SEEDS`.
-        spread: the standard deviation that figure was computed from (of the log ratios, paired; of the
-            difference of one run per arm, unpaired); None with it.
+        spread: the standard deviation that figure was computed from (of the seeds' log ratios, paired;
+            of the log ratio of one run per arm, unpaired); None where there is no spread to read.
     """
 
     ratio: float | None
