@@ -36,8 +36,8 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
 
 __all__ = [
     "CONFIDENCE",
@@ -95,8 +95,16 @@ class Interval:
     method: str
     n: int = 0
     censored: int = 0
-    seeds_for_power: int | None = None
     spread: float | None = None
+    #: The test's (degrees of freedom, standard error) with m seeds per arm, at the observed spread.
+    design: Callable[[int], tuple[float, float]] | None = field(
+        default=None, repr=False, compare=False
+    )
+
+    @cached_property
+    def seeds_for_power(self) -> int | None:
+        """Computed when asked (a search over noncentral t's): see the class docstring."""
+        return None if self.design is None else _power_seeds(self.design)
 
     @property
     def claim(self) -> int:
@@ -157,8 +165,8 @@ def _paired(arm: list[Obs], base: list[Obs], skipped: str) -> Interval:
         f"paired t interval on log ratios, {n} seeds{skipped}",
         n,
         censored,
-        None if censored_any else _power_seeds(lambda m: (m - 1, sd / math.sqrt(m))),
         None if censored_any else sd,
+        None if censored_any else (lambda m: (m - 1, sd / math.sqrt(m))),
     )
 
 
@@ -224,8 +232,8 @@ def _welch(arm: list[Obs], base: list[Obs], skipped: str) -> Interval:
         f"Welch t interval on log values, unpaired ({nx} and {ny} runs){skipped}",
         nx,
         sum(o.censored for o in arm) + sum(o.censored for o in base),
-        None if censored_any else _power_seeds(design),
         None if censored_any else math.sqrt(vx + vy),
+        None if censored_any else design,
     )
 
 
