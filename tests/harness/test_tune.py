@@ -295,6 +295,19 @@ def test_two_tunes_into_one_config_dir_are_refused(tmp_path: Path) -> None:
         pass
 
 
+def test_a_second_tune_into_a_busy_config_dir_is_refused_before_any_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = _fake(monkeypatch, _by_lr)
+    conf = tmp_path / "conf"
+    args = ["+recipe=digits_smoke", *GRID, "--out-config", str(conf)]
+    with tune_files.config_lock(conf):  # the first tune, still running
+        with pytest.raises(UserError, match="another tune is writing its tuned recipes there"):
+            tune.main([*args, "--out", str(tmp_path / "second")])
+    assert not fake.calls
+    assert tune.main([*args, "--out", str(tmp_path / "third")]) == 0  # once the first has ended
+
+
 def test_the_pair_is_written_whole_or_not_at_all_and_never_through_a_link(tmp_path: Path) -> None:
     recipes = tmp_path / "recipe"
     recipes.mkdir()
