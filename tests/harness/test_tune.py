@@ -301,9 +301,10 @@ def test_a_second_tune_into_a_busy_config_dir_is_refused_before_any_run(
     fake = _fake(monkeypatch, _by_lr)
     conf = tmp_path / "conf"
     args = ["+recipe=digits_smoke", *GRID, "--out-config", str(conf)]
-    with tune_files.config_lock(conf):  # the first tune, still running
-        with pytest.raises(UserError, match="another tune is writing its tuned recipes there"):
-            tune.main([*args, "--out", str(tmp_path / "second")])
+    busy = "another tune is writing its tuned recipes there"
+    # The first tune, still running, holds the config dir.
+    with tune_files.config_lock(conf), pytest.raises(UserError, match=busy):
+        tune.main([*args, "--out", str(tmp_path / "second")])
     assert not fake.calls
     assert tune.main([*args, "--out", str(tmp_path / "third")]) == 0  # once the first has ended
 
