@@ -29,12 +29,13 @@ from typing import Any
 
 from kfac_bench import safe_files
 from kfac_bench.compare.arms import Group, Spread, choose_baseline, group_runs
-from kfac_bench.compare.fairness import fairness_flags
+from kfac_bench.compare.fairness import MATCHED, SAME_DESIGN, design_flags, fairness_flags
 from kfac_bench.compare.runs import RunRecord, is_run, read_run, run_dirs, warn
 from kfac_bench.compare.selection import select_runs
 from kfac_bench.compare.stats import Interval
 from kfac_bench.compare.verdict import (
     Stats,
+    claim_of,
     group_stats,
     interval_text,
     ratio_intervals,
@@ -65,10 +66,13 @@ RATIO_NOTE = (
     "seed where both ran the seed, with its 95 % confidence interval [low-high] (method in the 95 % CI row; "
     "a run that missed the target is censored at its training time and leaves the interval open on the "
     "side it could move: inf or 0); the verdict says faster only when the whole interval is below 1, "
-    "slower only when it is above 1. MLPerf score: the mean time to target without the fastest and the "
-    "slowest run. Step time beyond the baseline's and the K-FAC stages are both % of "
-    "the arm's mean step time (forward, backward, K-FAC and update; evaluations outside): where they "
-    "differ, the rest of the arm's step took more or less time than the baseline's step"
+    "slower only when it is above 1 (the claim rows, in words a program can read). Seeds for power: how "
+    "many seeds per arm the observed spread of time ratios needs to detect a true ratio of 0.9 with 80 % "
+    "power (a design figure for the next campaign; none while a run is censored). MLPerf score: the mean "
+    "time to target without the fastest and the slowest run. Step time beyond the baseline's and the "
+    "K-FAC stages are both % of the arm's mean step time (forward, backward, K-FAC and update; "
+    "evaluations outside): where they differ, the rest of the arm's step took more or less time than "
+    "the baseline's step"
 )
 
 #: One row per arm (CSV) or one line per measure with the arms side by side (terminal, Markdown).
@@ -82,7 +86,10 @@ COLUMNS = [
     "epochs_to_target",
     "time_ratio",
     "epochs_ratio",
+    "claim",
+    "epochs_claim",
     "ci_method",
+    "seeds_for_power",
     "mlperf_time_s",
     "mean_step_time_ms",
     "step_time_ratio",
@@ -126,7 +133,10 @@ _TITLES = {
     "epochs_to_target": ("epochs to target", 2),
     "time_ratio": ("time to target / baseline's [95 % CI]", 2),
     "epochs_ratio": ("epochs to target / baseline's [95 % CI]", 2),
+    "claim": ("claim on the clock (faster/slower/none)", None),
+    "epochs_claim": ("claim in epochs (fewer/more/none)", None),
     "ci_method": ("95 % CI", None),
+    "seeds_for_power": ("seeds per arm to detect a time ratio of 0.9, 80 % power", None),
     "mlperf_time_s": ("MLPerf score (5+ seeds; s)", 2),
     "mean_step_time_ms": ("mean step time (ms)", 1),
     "step_time_ratio": ("step time / baseline's", 2),
@@ -219,9 +229,14 @@ class Comparison:
         self.metric = str(base.get("target_metric") or "metric")
         self.target = base.get("target_value")
         self.higher = base.get("higher_is_better", True) is not False
+        base_runs = [r.summary for r in self.groups[0].runs]
         self.flags: list[list[str]] = [
-            fairness_flags([r.summary for r in g.runs], "baseline" if i == 0 else g.label)
-            for i, g in enumerate(self.groups)
+            fairness_flags(base_runs, "baseline"),
+            *(
+                fairness_flags([r.summary for r in g.runs], g.label)
+                + design_flags([r.summary for r in g.runs], base_runs, g.label)
+                for g in self.groups[1:]
+            ),
         ]
         self.intervals: list[dict[str, Interval] | None] = [None] + [
             ratio_intervals(s, self.stats[0]) for s in self.stats[1:]
@@ -274,7 +289,8 @@ class Comparison:
             "best_metric": s.spread("best_metric").median,
             "samples_per_s": s.spread("samples_per_s").median,
             "mlperf_time_s": s.mlperf(),
-            "fairness": "; ".join(self.flags[i]) or "ok",
+            "fairness": "; ".join(self.flags[i])
+            or (MATCHED if i == 0 else f"{MATCHED}; {SAME_DESIGN}"),
             "_spreads": spreads,
             "_intervals": intervals,
         }
@@ -282,6 +298,9 @@ class Comparison:
             row[key], row[f"{key}_min"], row[f"{key}_max"] = sp.median, sp.low, sp.high
         if intervals is None:  # the baseline
             row.update(time_ratio=1.0, epochs_ratio=1.0, ci_method="baseline")
+            row.update(
+                claim=claim_of(None), epochs_claim=claim_of(None, "epochs"), seeds_for_power=None
+            )
             for key in INTERVAL_COLUMNS:
                 row[f"{key}_ci_low"] = row[f"{key}_ci_high"] = None
         else:
@@ -290,6 +309,9 @@ class Comparison:
                 row[key], row[f"{key}_ci_low"], row[f"{key}_ci_high"] = iv.ratio, iv.low, iv.high
             methods = dict.fromkeys(iv.method for iv in intervals.values())
             row["ci_method"] = "; ".join(methods)
+            row["claim"] = claim_of(intervals["time"])
+            row["epochs_claim"] = claim_of(intervals["epochs"], "epochs")
+            row["seeds_for_power"] = intervals["time"].seeds_for_power
         return row
 
 

@@ -28,6 +28,7 @@ from kfac_bench.metrics.summary import label_of_arm
 from kfac_bench.metrics.trackers import Tracker, open_tracker
 from kfac_bench.train.build import Run, build_run, seed_everything
 from kfac_bench.train.loop import run_loop
+from kfac_bench.train.warmup import warm_up
 
 __all__ = ["EXIT_CODES", "open_side_channels", "train"]
 
@@ -180,6 +181,8 @@ def _train(
             ),
             flush=True,
         )
+    if loop.step_timer is None:  # a benchmark has warm-up steps of its own
+        warm_up(loop, run.stages)  # one step, untimed and undone: the clock counts training only
     # Records after the resumed step belong to a future this run no longer has: drop them.
     run.recorder.rewind(state.step)
     run.recorder.start(
