@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["blocked_in_time", "span"]
+__all__ = ["blocked_in_time", "schedule_of", "span"]
 
 
 def span(summary: dict[str, Any]) -> tuple[float, float] | None:
@@ -50,3 +50,10 @@ def blocked_in_time(
         "of machine load between the blocks would read as a difference: no claim; run a seed's arms "
         "back to back (kfac-bench train -m interleaves them) or at the same time"
     )
+
+
+def schedule_of(arm: Sequence[dict[str, Any]], baseline: Sequence[dict[str, Any]]) -> str:
+    """``interleaved`` when both arms record their times and share stretches of time, else ``unknown``
+    (:func:`blocked_in_time` names the third case, ``blocked``)."""
+    known = all(span(s) is not None for s in [*arm, *baseline])
+    return "interleaved" if known and len(arm) and len(baseline) else "unknown"

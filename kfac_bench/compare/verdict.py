@@ -194,17 +194,23 @@ def verdict(
     target: float,
     higher: bool = True,
     flags: list[str] | None = None,
+    blocked: str | None = None,
 ) -> str:
     """One line: arm ``a`` against the baseline ``b`` on reaching ``metric`` ``target``; ``flags`` (the
-    fairness flags of both arms) end it."""
+    fairness flags of both arms) end it. ``blocked``: why the arms' times cannot be compared (they ran in
+    separate blocks of time, :mod:`kfac_bench.compare.schedule`): the clock then makes no claim."""
     an = "K-FAC" if b.first_order and not a.first_order and " + K-FAC" in a.label else a.label
     bn = b.label
     op = ">=" if higher else "<="
     head = f"{a.label} reached {metric} {op} {target:g} {_reach(a, True)}, {bn} {_reach(b, False)}"
     ivs = ratio_intervals(a, b)
     time, epochs = ivs["time"], ivs["epochs"]
-    clock = claim_text(
-        time, "on the clock", f"{an} faster on the clock", f"{an} slower on the clock"
+    clock = (
+        f"no claim on the clock: {blocked}"
+        if blocked
+        else claim_text(
+            time, "on the clock", f"{an} faster on the clock", f"{an} slower on the clock"
+        )
     )
     count = claim_text(epochs, "in epochs", f"{an} needs fewer epochs", f"{an} needs more epochs")
     line = (
