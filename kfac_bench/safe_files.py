@@ -53,6 +53,7 @@ __all__ = [
     "LinkRefused",
     "check_not_link",
     "ensure_dir",
+    "lock_held",
     "open_in_place",
     "output_folder",
     "read_head",
@@ -405,3 +406,24 @@ def read_head(path: Path | str, limit: int = 4096) -> str | None:
         return None
     finally:
         os.close(fd)
+
+
+def lock_held(path: Path | str) -> bool:
+    """Whether another open file holds an ``flock`` on the regular file ``path`` (a run's ``run.lock``),
+    probed without taking it for longer than the probe and without creating anything; False where the file
+    is missing, a link, or the filesystem has no locks."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing drops the probe's own lock
+    return False

@@ -41,7 +41,7 @@ from kfac_bench.compare.verdict import (
     step_ratio,
     verdict,
 )
-from kfac_bench.errors import UserError
+from kfac_bench.errors import UserError, visible
 
 __all__ = [
     "COLUMNS",
@@ -367,10 +367,21 @@ def _render(cmp: Comparison, fmt: str) -> str:
     lines = [head]
     for key in COLUMNS[1:]:
         lines.append([_TITLES[key][0].format(m=cmp.metric), *(_cell(key, r) for r in rows)])
-    verdicts = cmp.verdicts()
+    verdicts = [visible(v) for v in cmp.verdicts()]
+    title = visible(title)
+    # Labels come from run directories (campaign names, paths): never raw control characters or a `|`
+    # that would end a markdown cell.
+    lines = [[visible(c) for c in cells] for cells in lines]
+    head = lines[0]
     if fmt == "markdown":
-        md = [f"**{title}**{note}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        md += ["| " + " | ".join(cells) + " |" for cells in lines[1:]]
+        table = [[c.replace("|", "\\|") for c in cells] for cells in lines]
+        md = [
+            f"**{title}**{note}",
+            "",
+            "| " + " | ".join(table[0]) + " |",
+            "|" + "---|" * len(head),
+        ]
+        md += ["| " + " | ".join(cells) + " |" for cells in table[1:]]
         md += ["", f"*{RATIO_NOTE}*", ""] + [f"**Verdict:** {v}" for v in verdicts]
         return "\n".join(md) + "\n"
     widths = [max(len(cells[i]) for cells in lines) for i in range(len(head))]
