@@ -198,11 +198,13 @@ class Folder:
                 raise self.refusal(name)
             return f.read() if limit is None else f.read(limit)
 
-    def temp(self, name: str) -> tuple[int, str]:
+    def temp(self, name: str, *, read: bool = False) -> tuple[int, str]:
         """(open descriptor, name) of a new, empty file with an unpredictable name ``.NAME.<hex>.tmp``,
-        created with ``O_EXCL|O_NOFOLLOW`` and the umask's mode, for a writer that streams into it and
-        renames it into place (:meth:`rename`)."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        created with ``O_EXCL|O_NOFOLLOW`` and the umask's mode (``read``: open for reading too, for a
+        writer that seeks back), for a writer that streams into it and renames it into place
+        (:meth:`rename`)."""
+        flags = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        flags |= os.O_RDWR if read else os.O_WRONLY
         for _ in range(100):
             tmp = f".{name}.{secrets.token_hex(6)}.tmp"
             try:
@@ -345,23 +347,53 @@ def ensure_dir(path: Path | str) -> Path:
     return Path(path)
 
 
-def output_folder(out: Path | str, named: str, what: str) -> Path:
-    """``out``, created with its parents, for a command's results (``what``, e.g. "the comparison's
-    files"); ``named`` is how the error names it (``--out 'DIR'``, ``plan.out=DIR``).
+_NOT_EMPTY_FIX = "name a new or empty folder, or remove what is in it"
+
+
+def output_folder(
+    out: Path | str,
+    named: str,
+    what: str,
+    *,
+    replaceable: Callable[[str], bool] | None = None,
+    fix: str = _NOT_EMPTY_FIX,
+) -> Folder:
+    """The open output folder ``out`` of a command, for ``what`` (e.g. "the comparison's files"); ``named``
+    is how an error names it (``--out 'DIR'``, ``plan.out=DIR``). The one rule for every command: ``out``
+    is missing (it is made, with its parents) or an empty folder; call it before any work, and write every
+    file through the returned :class:`Folder` (``d.write(name, text)``, ``d.sub(name)``; close it, or use
+    ``with``). ``out`` itself may be a link the user made; nothing inside is written through one.
+    ``replaceable``: the names an explicit request to replace an earlier result (``prepare-bert
+    --overwrite``) lets the folder hold; ``fix``: the message's advice when it holds anything else.
 
     Raises:
-        UserError: ``out`` is a file, or cannot be created (one line).
+        UserError: ``out`` is a file, holds anything, or cannot be created (one line).
     """
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UserError(f"{named} is a file, not a folder: give a folder for {what}")
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        folder = Folder.open(out, create=True, follow=True)
+    except LinkRefused:
+        raise UserError(f"{named} is not a folder: give a folder for {what}") from None
     except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTDIR):
+            raise UserError(
+                f"{named} cannot be created ({exc.strerror}: a folder above it is a file): give a "
+                f"folder for {what}"
+            ) from None
         raise UserError(
             f"{named} cannot be created ({exc.strerror}): give a writable folder"
         ) from None
-    return out
+    held = [n for n in folder.names() if replaceable is None or not replaceable(n)]
+    if held:
+        folder.close()
+        raise UserError(
+            f"{named} already holds {len(held)} entr{'y' if len(held) == 1 else 'ies'} "
+            f"({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}); a command never writes over "
+            f"earlier results: {fix}"
+        )
+    return folder
 
 
 def replace_file(

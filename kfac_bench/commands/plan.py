@@ -89,8 +89,12 @@ def main(args: Sequence[str]) -> int:
         raise ConfigError(f"kfac-bench plan takes key=value overrides only, not {flags[0]}")
     cfg = parse_plan_config(plan_args)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out_parent = Path(cfg.out) if cfg.out is not None else Path("runs", "plan")
-    writable_folder(out_parent)  # before the seconds of work a plan takes
+    from kfac_bench.safe_files import output_folder
+
+    if cfg.out is not None:  # before the seconds of work a plan takes: new or empty, else refused
+        output_folder(cfg.out, f"plan.out={cfg.out}", "the plan's files").close()
+    else:
+        writable_folder(Path("runs", "plan"))
 
     from kfac_bench.plan.plot import plot_plan, plot_time_to_solution
     from kfac_bench.plan.recipe import load_recipe
@@ -137,14 +141,18 @@ def main(args: Sequence[str]) -> int:
             "reason": "no measured baseline step: give plan.profile_file=PROFILE.yaml (make gpu-check "
             "writes one on a GPU; profiles/ has the paper's)"
         }
-    from kfac_bench.safe_files import output_folder
-
-    out = out_parent if cfg.out is not None else out_parent / f"{planned.recipe}_{stamp}"
-    out = output_folder(out, f"plan.out={out}", "the plan's files")
-    (out / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")
-    written = [out / "plan.json", plot_plan(plan, out / "plan.png")]
-    if plan["time_to_solution"]:
-        written.append(plot_time_to_solution(plan, out / "time_to_solution.png"))
+    out = (
+        Path(cfg.out) if cfg.out is not None else Path("runs", "plan", f"{planned.recipe}_{stamp}")
+    )
+    with output_folder(out, f"plan.out={out}", "the plan's files") as folder:
+        written = [
+            folder.write("plan.json", json.dumps(plan, indent=1) + "\n"),
+            folder.replace("plan.png", lambda f: plot_plan(plan, f)),
+        ]
+        if plan["time_to_solution"]:
+            written.append(
+                folder.replace("time_to_solution.png", lambda f: plot_time_to_solution(plan, f))
+            )
     print(render(plan), end="")
     print()
     print(render_time_to_solution(plan), end="")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kfac_bench import safe_files
 from kfac_bench.errors import UserError
 from kfac_bench.metrics.summary import SUMMARY_FILE, read_summary
 
@@ -216,11 +217,14 @@ def render_chains(chains: Sequence[Chain], fmt: str) -> str:
     return "\n".join([*lines, *notes]) + "\n"
 
 
-def compare_chains(specs: Sequence[str], out: Path) -> list[Chain]:
-    """Load the chains of ``--chain`` arguments and write ``chains.md`` and ``chains.csv`` to ``out``.
+def compare_chains(specs: Sequence[str], out: Path | safe_files.Folder) -> list[Chain]:
+    """Load the chains of ``--chain`` arguments and write ``chains.md`` and ``chains.csv`` to ``out`` (a
+    path: a new or empty folder, made once the chains are read; or an open folder), each replaced
+    atomically and never through a link.
 
     Raises:
-        UserError: a bad specification, a repeated chain name, or a chain of the wrong shape.
+        UserError: a bad specification, a repeated chain name, a chain of the wrong shape, or ``out`` (a
+            path) not a new or empty folder.
     """
     parsed = [parse_chain(spec) for spec in specs]
     names = [name for name, _ in parsed]
@@ -228,7 +232,15 @@ def compare_chains(specs: Sequence[str], out: Path) -> list[Chain]:
     if repeated is not None:
         raise UserError(f"compare: chain name '{repeated}' is given twice: name each chain once")
     chains = [load_chain(name, paths) for name, paths in parsed]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "chains.md").write_text(render_chains(chains, "markdown"))
-    (out / "chains.csv").write_text(render_chains(chains, "csv"))
+    folder = (
+        out
+        if isinstance(out, safe_files.Folder)
+        else safe_files.output_folder(out, f"--out '{out}'", "the chains' files")
+    )
+    try:
+        folder.write("chains.md", render_chains(chains, "markdown"))
+        folder.write("chains.csv", render_chains(chains, "csv"))
+    finally:
+        if folder is not out:
+            folder.close()
     return chains

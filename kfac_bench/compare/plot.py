@@ -8,7 +8,7 @@ import math
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from kfac_bench.compare.runs import RunRecord
 from kfac_bench.errors import visible
@@ -85,12 +85,13 @@ def legend_layout(labels: list[str]) -> tuple[list[str], int]:
     return wrapped, max(1, min(len(labels), 4, _LEGEND_WIDTH // (widest + 8)))
 
 
-def plot_comparison(cmp: Comparison, path: Path) -> Path:
-    """Save :func:`comparison_figure` as a PNG at ``path`` (cropped to what is drawn, legend included)."""
+def plot_comparison(cmp: Comparison, path: Path | BinaryIO) -> Path | BinaryIO:
+    """Save :func:`comparison_figure` as a PNG at ``path`` or into the open binary file ``path``
+    (cropped to what is drawn, legend included)."""
     import matplotlib.pyplot as plt
 
     fig = comparison_figure(cmp)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
+    fig.savefig(path, dpi=100, bbox_inches="tight", format="png")
     plt.close(fig)
     return path
 
