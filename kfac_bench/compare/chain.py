@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kfac_bench import safe_files
-from kfac_bench.errors import UserError
+from kfac_bench.errors import UserError, visible
 from kfac_bench.metrics.summary import SUMMARY_FILE, read_summary
 
 __all__ = [
@@ -204,12 +204,15 @@ def render_chains(chains: Sequence[Chain], fmt: str) -> str:
         "pretraining phases' training time (TPDS §6.3.3; fine-tuning not counted); time_ratio = a chain's "
         "time to solution / the baseline's (< 1: faster)"
     )
-    notes = [f"note: {n}" for c in chains for n in c.notes]
-    cells = [[_cell(k, r[k]) for k in CHAIN_COLUMNS] for r in rows]
+    # Names and labels come from the command line and run directories: control characters escaped
+    # (and a `|` in a markdown cell), so they neither drive the terminal nor break the table.
+    title = visible(title)
+    notes = [visible(f"note: {n}") for c in chains for n in c.notes]
+    cells = [[visible(_cell(k, r[k])) for k in CHAIN_COLUMNS] for r in rows]
     if fmt == "markdown":
         lines = [f"**{title}**", ""]
         lines += ["| " + " | ".join(CHAIN_COLUMNS) + " |", "|" + "---|" * len(CHAIN_COLUMNS)]
-        lines += ["| " + " | ".join(c) + " |" for c in cells]
+        lines += ["| " + " | ".join(x.replace("|", "\\|") for x in c) + " |" for c in cells]
         return "\n".join([*lines, *(["", *notes] if notes else [])]) + "\n"
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(CHAIN_COLUMNS)]
     lines = [title, "  ".join(h.ljust(w) for h, w in zip(CHAIN_COLUMNS, widths))]

@@ -172,3 +172,17 @@ def test_a_run_that_holds_its_lock_is_running_not_broken(tmp_path: Path) -> None
     run = read_run(sgd, notes.append)
     assert run is not None and run.summary["status"] == runs_module.NO_SUMMARY
     assert "did not end cleanly" in notes[0]
+
+
+def test_a_chain_name_with_control_characters_and_pipes_is_escaped(tmp_path: Path) -> None:
+    from kfac_bench.compare.chain import compare_chains, render_chains
+    from tests.compare.test_chain import _chain
+
+    runs = ",".join(str(p) for p in _chain(tmp_path / "a", (3.0, 4.0, 5.0), 91.0))
+    chains = compare_chains([f"{HOSTILE}={runs}"], tmp_path / "out")
+    for fmt in ("terminal", "markdown"):
+        text = render_chains(chains, fmt)
+        assert "\x1b" not in text and "\x07" not in text and "\\x1b[2J" in text
+    rows = [ln for ln in render_chains(chains, "markdown").splitlines() if ln.startswith("|")]
+    assert len({ln.replace("\\|", "").count("|") for ln in rows}) == 1
+    assert "\x1b" not in (tmp_path / "out" / "chains.md").read_text()
