@@ -27,7 +27,17 @@ trusted again.
 Outside run directories, :func:`output_folder` is the folder a command writes its results into (``compare
 --out``, ``plan.out``, ``demo --out``, ``prepare-bert --output-dir``, ``tune --out``), under one rule
 (docs/operations.md): the folder is missing (it is made) or empty; anything else is refused in one line before
-the command does any work. It returns the open :class:`Folder` that the command writes every file through.
+the command does any work. It returns the open :class:`Folder` that the command writes every file through::
+
+    with output_folder(out, f"--out {out}", "the tune's files") as d:  # before any work
+        ...
+        d.write("tune.md", text)  # replaced atomically, never through a link
+        d.replace("tune.png", lambda f: fig.savefig(f, format="png"))  # any writer of a binary file
+        d.create("NAME_tuned.yaml", text)  # a new name only: FileExistsError where it is taken
+        with d.sub("runs") as runs: ...  # a folder it makes, opened O_NOFOLLOW
+
+A file that must appear only whole or not at all, beside others (a pair written as a unit), is written to
+:meth:`Folder.temp` names first and :meth:`Folder.rename`/:meth:`Folder.link`-ed into place last.
 
 A refusal is a :class:`LinkRefused`: one line naming the planted path and what it was; the target is never
 opened for writing. The run directory's (or output folder's) own path, and the folders above it, are the
