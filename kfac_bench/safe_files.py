@@ -107,7 +107,7 @@ def refusal(
         what = "not a folder when it was opened (a link or a file)"
     return LinkRefused(
         f"refusing to write {shown or path}: it is {what}, which the run did not create; remove it "
-        "(the folder may be writable by others: use a private hydra.run.dir or output folder)"
+        "(the run dir may be writable by others: use a private hydra.run.dir)"
     )
 
 
