@@ -16,7 +16,10 @@ import argparse
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kfac_bench.safe_files import Folder
 
 __all__ = ["ARMS", "SUMMARY", "main"]
 
@@ -104,24 +107,25 @@ def _train(overrides: list[str], run_dir: Path) -> int:
     return int(train(_compose(overrides), run_dir))
 
 
-def _out_dir(given: str | None) -> Path:
+def _out_dir(given: str | None) -> Folder:
+    """The demo's folder, open: new or empty (the one output-folder rule), else refused before any work."""
     from kfac_bench.config.resolvers import unique_suffix
-    from kfac_bench.errors import UserError
+    from kfac_bench.safe_files import output_folder
 
     if given is None:
-        return Path("runs") / f"demo_{time.strftime('%Y-%m-%d_%H-%M-%S')}_{unique_suffix()}"
-    out = Path(given)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(
-            f"--out {out} is not empty; choose a new folder (the demo's runs start afresh)"
-        )
-    return out
+        given = str(Path("runs") / f"demo_{time.strftime('%Y-%m-%d_%H-%M-%S')}_{unique_suffix()}")
+    return output_folder(given, f"--out {given}", "the demo's runs and comparison")
 
 
 def main(args: Sequence[str]) -> int:
     """``kfac-bench demo ARGS``; returns the exit status (the first failed run's)."""
     ns = _parse(args)
-    out = _out_dir(ns.out)
+    with _out_dir(ns.out) as folder:
+        return _demo(ns, folder)
+
+
+def _demo(ns: argparse.Namespace, folder: Folder) -> int:
+    out = folder.path
     runs = _configs(ns, out)
     from kfac_bench.compare.report import find_runs, write_outputs
 
@@ -134,7 +138,7 @@ def main(args: Sequence[str]) -> int:
     dirs = [out / f"{arm}_seed{seed}" for arm, seed, _ in runs]
     print()
     print(_per_seed(ns.seeds, out), end="")
-    print(write_outputs(find_runs(dirs), out), end="")
+    print(write_outputs(find_runs(dirs), folder), end="")
     print(
         f"kfac-bench demo: {len(dirs)} runs in {trained:.0f} s "
         f"({'two arms at a time' if ns.jobs == 2 else 'alternating'}); results in {out}"

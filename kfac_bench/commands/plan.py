@@ -81,21 +81,6 @@ def writable_folder(out: Path) -> None:
         )
 
 
-def fresh_folder(out: Path) -> None:
-    """Refuse an ``out`` that already holds files: a plan never overwrites an earlier result (the rule of
-    ``demo --out``).
-
-    Raises:
-        UserError: one line naming the folder.
-    """
-    from kfac_bench.errors import UserError
-
-    if out.is_dir() and any(out.iterdir()):
-        raise UserError(
-            f"plan.out={out} is not empty; choose a new folder (a plan does not overwrite an earlier one)"
-        )
-
-
 #: Command-line keys that would set both arms' length at once.
 BOTH_ARMS = ("train.epochs", "train.max_steps")
 
@@ -122,10 +107,11 @@ def main(args: Sequence[str]) -> int:
             f"plan.kfac_{which}=N and/or plan.baseline_{which}=N"
         )
     cfg = parse_plan_config(plan_args)
-    if cfg.out is not None:
-        out = Path(cfg.out)
-        writable_folder(out)  # before the seconds of work a plan takes
-        fresh_folder(out)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    from kfac_bench.safe_files import output_folder
+
+    if cfg.out is not None:  # before the seconds of work a plan takes: new or empty, else refused
+        output_folder(cfg.out, f"plan.out={cfg.out}", "the plan's files").close()
     else:
         writable_folder(Path("runs", "plan"))
 
@@ -175,21 +161,21 @@ def main(args: Sequence[str]) -> int:
             "reason": "no measured baseline step: give plan.profile_file=PROFILE.yaml (make gpu-check "
             "writes one on a GPU; profiles/ has the paper's)"
         }
-    from kfac_bench.safe_files import output_folder, write_atomic
-
     if cfg.out is not None:
         out = Path(cfg.out)
-        fresh_folder(out)  # again: another plan may have written there meanwhile
-    else:
+    else:  # two plans started in one second get two folders
         from kfac_bench.config.resolvers import unique_suffix
 
-        stamp = time.strftime("%Y%m%d-%H%M%S")
         out = Path("runs", "plan", f"{planned.recipe}_{stamp}_{unique_suffix()}")
-    out = output_folder(out, f"plan.out={out}", "the plan's files")
-    write_atomic(out / "plan.json", json.dumps(plan, indent=1) + "\n")
-    written = [out / "plan.json", plot_plan(plan, out / "plan.png")]
-    if plan["time_to_solution"]:
-        written.append(plot_time_to_solution(plan, out / "time_to_solution.png"))
+    with output_folder(out, f"plan.out={out}", "the plan's files") as folder:
+        written = [
+            folder.write("plan.json", json.dumps(plan, indent=1) + "\n"),
+            folder.replace("plan.png", lambda f: plot_plan(plan, f)),
+        ]
+        if plan["time_to_solution"]:
+            written.append(
+                folder.replace("time_to_solution.png", lambda f: plot_time_to_solution(plan, f))
+            )
     print(render(plan), end="")
     print()
     print(render_time_to_solution(plan), end="")

@@ -95,7 +95,7 @@ class Group:
 
 def _seed(run: RunRecord) -> int | None:
     seed = ((run.summary.get("config") or {}).get("train") or {}).get("seed")
-    return seed if isinstance(seed, int) else None
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
 
 
 def _recipe_name(run: RunRecord) -> str | None:

@@ -25,7 +25,7 @@ import textwrap
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from kfac_bench import safe_files
 from kfac_bench.compare.arms import Group, Spread, choose_baseline, group_runs
@@ -43,7 +43,7 @@ from kfac_bench.compare.verdict import (
     step_ratio,
     verdict,
 )
-from kfac_bench.errors import UserError
+from kfac_bench.errors import UserError, visible
 
 __all__ = [
     "COLUMNS",
@@ -413,10 +413,21 @@ def _render(cmp: Comparison, fmt: str) -> str:
     lines = [head]
     for key in COLUMNS[1:]:
         lines.append([_TITLES[key][0].format(m=cmp.metric), *(_cell(key, r) for r in rows)])
-    verdicts = cmp.verdicts()
+    verdicts = [visible(v) for v in cmp.verdicts()]
+    title = visible(title)
+    # Labels come from run directories (campaign names, paths): never raw control characters or a `|`
+    # that would end a markdown cell.
+    lines = [[visible(c) for c in cells] for cells in lines]
+    head = lines[0]
     if fmt == "markdown":
-        md = [f"**{title}**{note}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        md += ["| " + " | ".join(cells) + " |" for cells in lines[1:]]
+        table = [[c.replace("|", "\\|") for c in cells] for cells in lines]
+        md = [
+            f"**{title}**{note}",
+            "",
+            "| " + " | ".join(table[0]) + " |",
+            "|" + "---|" * len(head),
+        ]
+        md += ["| " + " | ".join(cells) + " |" for cells in table[1:]]
         md += ["", f"*{RATIO_NOTE}*", ""] + [f"**Verdict:** {v}" for v in verdicts]
         return "\n".join(md) + "\n"
     widths = [max(len(cells[i]) for cells in lines) for i in range(len(head))]
@@ -438,7 +449,9 @@ def csv_safe(value: Any) -> Any:
     return value
 
 
-def plot(runs: Sequence[RunRecord], path: Path, baseline: str | None = None) -> Path:
+def plot(
+    runs: Sequence[RunRecord], path: Path | BinaryIO, baseline: str | None = None
+) -> Path | BinaryIO:
     """PNG: the target metric against wall-clock seconds (left) and epochs (right); see
     :func:`kfac_bench.compare.plot.plot_comparison`."""
     from kfac_bench.compare.plot import plot_comparison
@@ -463,30 +476,41 @@ def default_out(paths: Sequence[str | Path], kind: str = "compare") -> Path:
     return common / f"{kind}_{time.strftime('%Y-%m-%d_%H-%M-%S')}_{secrets.token_hex(3)}"
 
 
-def output_dir(out: Path | str) -> Path:
-    """``out``, created if missing.
+def output_dir(out: Path | str) -> safe_files.Folder:
+    """The open output folder ``out``, made if missing (the one rule of every command's output folder:
+    missing or empty, :func:`kfac_bench.safe_files.output_folder`); close it (or use ``with``).
 
     Raises:
-        UserError: ``out`` is a file, or cannot be created.
+        UserError: ``out`` is a file, holds anything, or cannot be created.
     """
     return safe_files.output_folder(out, f"--out '{out}'", "the comparison's files")
 
 
 def write_outputs(
-    runs: Sequence[RunRecord], out: Path, fmt: str = "terminal", baseline: str | None = None
+    runs: Sequence[RunRecord],
+    out: Path | safe_files.Folder,
+    fmt: str = "terminal",
+    baseline: str | None = None,
 ) -> str:
-    """Write ``compare.md``, ``compare.csv`` and ``compare.png`` to ``out``; returns the table in ``fmt``
-    followed by a line naming the files.
+    """Write ``compare.md``, ``compare.csv`` and ``compare.png`` to ``out`` (a path: a new or empty folder,
+    :func:`output_dir`; an open folder: the caller's, e.g. the demo's, already holding its runs), each
+    replaced atomically and never through a link; returns the table in ``fmt`` followed by a line naming
+    the files.
 
     Raises:
-        UserError: ``baseline`` matches no arm.
+        UserError: ``baseline`` matches no arm; ``out`` (a path) is not a new or empty folder.
     """
-    cmp = Comparison(runs, baseline)  # an unknown baseline stops before anything is written
-    out = output_dir(out)
-    (out / "compare.md").write_text(_render(cmp, "markdown"))
-    (out / "compare.csv").write_text(_render(cmp, "csv"))
     from kfac_bench.compare.plot import plot_comparison
 
-    plot_comparison(cmp, out / "compare.png")
-    files = ", ".join(str(out / f) for f in ("compare.md", "compare.csv", "compare.png"))
-    return _render(cmp, fmt) + f"wrote {files}\n"
+    cmp = Comparison(runs, baseline)  # an unknown baseline stops before anything is written
+    folder = out if isinstance(out, safe_files.Folder) else output_dir(out)
+    try:
+        written = [
+            folder.write("compare.md", _render(cmp, "markdown")),
+            folder.write("compare.csv", _render(cmp, "csv")),
+            folder.replace("compare.png", lambda f: plot_comparison(cmp, f)),
+        ]
+    finally:
+        if folder is not out:
+            folder.close()
+    return _render(cmp, fmt) + f"wrote {', '.join(str(p) for p in written)}\n"

@@ -218,23 +218,13 @@ def probe_lock(run_dir: Path) -> None:
     """
     run_dir = Path(run_dir).resolve()
     path = run_dir / LOCK_FILE
-    if run_dir in _held or not path.is_file():
+    if run_dir in _held:
         return
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return  # missing, or a link: lock() refuses it
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if safe_files.lock_held(path):
         raise UserError(
             f"run dir {run_dir} is in use by another run ({_holder_text(path)}); wait for it to "
             "end or choose another hydra.run.dir"
-        ) from None
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        )
 
 
 def locked_by_launcher(run_dir: Path, env: Mapping[str, str] | None = None) -> bool:

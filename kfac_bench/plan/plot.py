@@ -5,7 +5,7 @@ next to the ideal total/N and the floor of the largest factor."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 __all__ = ["plot_plan", "plot_time_to_solution"]
 
@@ -16,17 +16,6 @@ def _title(plan: dict[str, Any]) -> str:
     """The recipe and the model actually planned (``model.arch=resnet152`` under resnet50_imagenet)."""
     model = plan.get("model")
     return f"{plan['recipe']} ({model})" if model else str(plan["recipe"])
-
-
-def _save(fig: Any, path: Path) -> Path:
-    """``fig`` as a PNG at ``path``, written without following a link there (replaced atomically)."""
-    import io
-
-    from kfac_bench.safe_files import write_atomic
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    return write_atomic(path, buf.getvalue())
 
 
 #: The parts of a rank's K-FAC memory (``memory_usage()["total"]`` is their sum), bottom to top.
@@ -103,7 +92,7 @@ def _memory_bars(ax: Any, plan: dict[str, Any], worlds: list[int]) -> None:
     ax.legend(handles=handles, fontsize=7, loc="upper left", ncol=3)
 
 
-def plot_plan(plan: dict[str, Any], path: Path) -> Path:
+def plot_plan(plan: dict[str, Any], path: Path | BinaryIO) -> Path | BinaryIO:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -148,7 +137,9 @@ def plot_plan(plan: dict[str, Any], path: Path) -> Path:
     cost_ax.set_ylabel("Σ n³ on the busiest rank")
     cost_ax.set_title("decomposition makespan")
     cost_ax.legend(fontsize=7)
-    _save(fig, path)
+    if isinstance(path, Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
     return path
 
@@ -183,7 +174,7 @@ def _time_bars(ax: Any, plan: dict[str, Any]) -> None:
     ax.legend(fontsize=8)
 
 
-def plot_time_to_solution(plan: dict[str, Any], path: Path) -> Path:
+def plot_time_to_solution(plan: dict[str, Any], path: Path | BinaryIO) -> Path | BinaryIO:
     """``time_to_solution.png``: :func:`_time_bars`."""
     import matplotlib
 
@@ -193,6 +184,8 @@ def plot_time_to_solution(plan: dict[str, Any], path: Path) -> Path:
     worlds = {e["world_size"] for e in plan["time_to_solution"]}
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(worlds) + 2), 4.5), layout="constrained")
     _time_bars(ax, plan)
-    _save(fig, path)
+    if isinstance(path, Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
     return path
