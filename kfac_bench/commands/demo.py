@@ -107,26 +107,32 @@ def _train(overrides: list[str], run_dir: Path) -> int:
     return int(train(_compose(overrides), run_dir))
 
 
-def _out_dir(given: str | None) -> Folder:
-    """The demo's folder, open: new or empty (the one output-folder rule), else refused before any work."""
+def _out_path(given: str | None) -> Path:
+    """The demo's folder: ``--out``, else a new one under ``runs/``."""
     from kfac_bench.config.resolvers import unique_suffix
-    from kfac_bench.safe_files import output_folder
 
     if given is None:
         given = str(Path("runs") / f"demo_{time.strftime('%Y-%m-%d_%H-%M-%S')}_{unique_suffix()}")
-    return output_folder(given, f"--out {given}", "the demo's runs and comparison")
+    return Path(given)
 
 
 def main(args: Sequence[str]) -> int:
     """``kfac-bench demo ARGS``; returns the exit status (the first failed run's)."""
+    from kfac_bench.safe_files import output_folder
+
     ns = _parse(args)
-    with _out_dir(ns.out) as folder:
-        return _demo(ns, folder)
+    out = _out_path(ns.out)
+    named, what = f"--out {out}", "the demo's runs and comparison"
+    if out.exists():  # an earlier result (or a file) refused first: it is there already
+        output_folder(out, named, what).close()
+    runs = _configs(ns, out)  # every run's config checked before the folder is made
+    # New or empty (the one output-folder rule), else refused before any work.
+    with output_folder(out, named, what) as folder:
+        return _demo(ns, folder, runs)
 
 
-def _demo(ns: argparse.Namespace, folder: Folder) -> int:
+def _demo(ns: argparse.Namespace, folder: Folder, runs: list[tuple[str, int, list[str]]]) -> int:
     out = folder.path
-    runs = _configs(ns, out)
     from kfac_bench.compare.report import find_runs, write_outputs
 
     started = time.perf_counter()

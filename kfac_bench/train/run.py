@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +45,10 @@ def train(
     run_dir_from_rank_0: bool = False,
     on_claim: Callable[[Path], None] | None = None,
 ) -> int:
-    """Train as configured, writing everything under ``run_dir``; returns the process exit status.
-    ``run_dir_from_rank_0`` (every rank passes the same): the ranks share rank 0's ``run_dir``.
-    ``on_claim``: called with the run directory by the rank that claims it, right after the claim.
+    """Train as configured, writing everything under ``run_dir``: claim -> build and resume
+    (:func:`_prepare`) -> the loop (:func:`~kfac_bench.train.loop.run_loop`) -> report. Returns the
+    process exit status. ``run_dir_from_rank_0`` (every rank passes the same): the ranks share rank 0's
+    ``run_dir``. ``on_claim``: called with the run directory by the rank that claims it, right after.
 
     Raises:
         UserError: one line (the run directory is in use or records another config, no checkpoint is
@@ -65,7 +67,19 @@ def train(
         if run_dir_from_rank_0:
             run_dir = Path(from_main(str(run_dir.resolve())))
         owns_lock = _claim(cfg, run_dir, env, on_claim)
-        status = _train(cfg, run_dir, env, device, flag, started_at)
+        ready = _prepare(cfg, run_dir, env, device, flag)
+        if isinstance(ready, str):
+            status = ready  # a finished run started again: nothing to train
+        else:
+            try:
+                status = run_loop(ready.run.loop)
+            finally:
+                shutdown_workers(ready.run.loop.train_loader, ready.run.loop.eval_loader)
+                ready.run.recorder.close(status)
+            ready.run.loop.state.wall.stop()
+            if env.is_main:
+                span = {"started_at": started_at, "ended_at": time.time()}
+                _report(ready, run_dir, env, device, status, span, flag)
     finally:
         flag.restore()
         distributed.cleanup(synchronize=status is not None)
@@ -102,14 +116,26 @@ def _claim(
     return took
 
 
-def _train(
+@dataclass
+class _Ready:
+    """A run built, resumed and warmed up, its clock not started: what the loop and the report need."""
+
+    cfg: RunConfig
+    run: Run
+    #: The summary's batch facts (:func:`_batch_facts`).
+    facts: dict[str, Any]
+
+
+def _prepare(
     cfg: RunConfig,
     run_dir: Path,
     env: distributed.DistEnv,
     device: torch.device,
     flag: PreemptionFlag,
-    started_at: float,
-) -> str:
+) -> _Ready | str:
+    """Build the run, resume it from its newest good checkpoint (or warm-start it), print the start line,
+    warm up and start the recorder. Returns the ready run, or the status of a finished run started again
+    (nothing to train, nothing rewritten)."""
     init_from = cfg.train.init_from
     if init_from is not None and not (run_dir / CHECKPOINT_DIR).is_dir():
         warm_start.locate(init_from)  # a wrong path stops the run before anything is built
@@ -131,10 +157,9 @@ def _train(
         if tracker is not None:
             tracker.finish(None, None)  # the run never started: FAILED, not RUNNING forever
         raise
-    batch = _batch_facts(cfg, run)
+    facts = _batch_facts(cfg, run)
     loop, state = run.loop, run.loop.state
     loop.preempt = flag
-
     resumed = run.checkpoints.load() if cfg.train.resume else False
     if env.is_main:
         elastic.record_world(run_dir, run.world)
@@ -144,7 +169,7 @@ def _train(
             elastic.rank_seed(int(cfg.train.seed), state.step, env.rank, env.world_size)
         )
     kept = from_main(_finished_summary(run_dir, loop) if env.is_main and resumed else None)
-    if kept is not None:  # a finished run started again: nothing to train, nothing to rewrite
+    if kept is not None:
         ended = str(kept["status"])
         run.recorder.leave(ended)
         if env.is_main:
@@ -155,32 +180,12 @@ def _train(
             )
             print(summary.report_line(kept, run_dir), flush=True)
         return ended
-    moved = resumed and run.world.world_size != env.world_size
     if not resumed and init_from is not None:
         started = warm_start.start_from(init_from, loop.module, loop.optimizer, loop.precond)
         if env.is_main:
             print(started, flush=True)
     if env.is_main:
-        print(
-            f"kfac-bench: run dir {run_dir} | world {env.world_size} on {device} | "
-            f"{_arm(cfg, loop.precond is not None)} | "
-            f"{run.batches.steps_per_epoch} steps/epoch, "
-            + (batch["global_batch_note"] or f"global batch {run.batches.global_batch}")
-            + (
-                f" ({run.batches.batch_size} per rank x {run.world.world_size}: "
-                f"train.global_batch_size {cfg.train.global_batch_size} kept)"
-                if run.batches.batch_size < given_batch
-                else ""
-            )
-            + (f" | resumed at step {state.step}" if resumed else "")
-            + (
-                f" (run started on {run.world.world_size} ranks: "
-                f"{run.batches.accumulation_steps} accumulation steps keep its global batch)"
-                if moved
-                else ""
-            ),
-            flush=True,
-        )
+        print(_start_line(cfg, run, run_dir, env, device, facts, given_batch, resumed), flush=True)
     if loop.step_timer is None:  # a benchmark has warm-up steps of its own
         warm_up(loop, run.stages)  # one step, untimed and undone: the clock counts training only
     # Records after the resumed step belong to a future this run no longer has: drop them.
@@ -194,37 +199,73 @@ def _train(
             "gradient_accumulation_steps": run.batches.accumulation_steps,
         },
     )
+    return _Ready(cfg, run, facts)
 
-    status: str | None = None
+
+def _start_line(
+    cfg: RunConfig,
+    run: Run,
+    run_dir: Path,
+    env: distributed.DistEnv,
+    device: torch.device,
+    facts: dict[str, Any],
+    given_batch: int,
+    resumed: bool,
+) -> str:
+    """``kfac-bench: run dir R | world N on DEVICE | ARM | steps/epoch, global batch ...``."""
+    state = run.loop.state
+    moved = resumed and run.world.world_size != env.world_size
+    return (
+        f"kfac-bench: run dir {run_dir} | world {env.world_size} on {device} | "
+        f"{_arm(cfg, run.loop.precond is not None)} | "
+        f"{run.batches.steps_per_epoch} steps/epoch, "
+        + (facts["global_batch_note"] or f"global batch {run.batches.global_batch}")
+        + (
+            f" ({run.batches.batch_size} per rank x {run.world.world_size}: "
+            f"train.global_batch_size {cfg.train.global_batch_size} kept)"
+            if run.batches.batch_size < given_batch
+            else ""
+        )
+        + (f" | resumed at step {state.step}" if resumed else "")
+        + (
+            f" (run started on {run.world.world_size} ranks: "
+            f"{run.batches.accumulation_steps} accumulation steps keep its global batch)"
+            if moved
+            else ""
+        )
+    )
+
+
+def _report(
+    ready: _Ready,
+    run_dir: Path,
+    env: distributed.DistEnv,
+    device: torch.device,
+    status: str,
+    span: dict[str, float],
+    flag: PreemptionFlag,
+) -> None:
+    """Rank 0, after the loop: ``summary.json`` and the report line, then a diverged or preempted run's
+    marker (last: the checkpoint and summary are complete)."""
+    run, loop = ready.run, ready.run.loop
+    result = None
     try:
-        status = run_loop(loop)
-    finally:
-        shutdown_workers(loop.train_loader, loop.eval_loader)  # else an error would hang at exit
-        run.recorder.close(status)
-    state.wall.stop()
-
-    if env.is_main:
-        assert status is not None  # run_loop returned
-        result = None
-        try:
-            span = {"started_at": started_at, "ended_at": time.time()}
-            result = _summarize(cfg, run_dir, run, env, device, status, {**batch, **span})
-        finally:  # TensorBoard's HParams and the tracker get the summary; closed even if it failed
-            run.recorder.finish(result, status)
-        print(summary.report_line(result, run_dir), flush=True)
-        if loop.divergence is not None:
-            step, what = loop.divergence
-            last = run.checkpoints.newest()
-            rundir.mark_diverged(run_dir, step, what, last)
-            print(
-                f"kfac-bench: diverged at step {step} ({what}); kept "
-                + (f"{last} as the last finite checkpoint" if last else "no checkpoint")
-                + ": start a new run directory with a lower optimizer.lr",
-                flush=True,
-            )
-        if status == "preempted":  # last: the checkpoint and summary are complete
-            rundir.mark_preempted(run_dir, state.step, flag.signum)
-    return status
+        result = _summarize(ready.cfg, run_dir, run, env, device, status, {**ready.facts, **span})
+    finally:  # TensorBoard's HParams and the tracker get the summary; closed even if it failed
+        run.recorder.finish(result, status)
+    print(summary.report_line(result, run_dir), flush=True)
+    if loop.divergence is not None:
+        step, what = loop.divergence
+        last = run.checkpoints.newest()
+        rundir.mark_diverged(run_dir, step, what, last)
+        print(
+            f"kfac-bench: diverged at step {step} ({what}); kept "
+            + (f"{last} as the last finite checkpoint" if last else "no checkpoint")
+            + ": start a new run directory with a lower optimizer.lr",
+            flush=True,
+        )
+    if status == "preempted":
+        rundir.mark_preempted(run_dir, loop.state.step, flag.signum)
 
 
 def open_side_channels(

@@ -18,7 +18,6 @@ Note:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 import math
@@ -26,9 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from kfac_bench.train.loop import Loop
+from kfac_bench.train.loop import Loop, forward_backward, optimizer_step
 
 __all__ = ["RESTORED_PARTS", "warm_up", "warming_up"]
 
@@ -94,20 +92,11 @@ def _host_copy(obj: Any) -> Any:
 
 
 def _step(loop: Loop, batches: list[Any]) -> None:
-    """One optimizer step as the loop takes it (gradient clipping left out: the step is undone, only its
+    """One optimizer step as the loop takes it (:func:`~kfac_bench.train.loop.forward_backward`,
+    :func:`~kfac_bench.train.loop.optimizer_step`; gradient clipping left out: the step is undone, only its
     costs matter). A non-finite loss on any rank skips the K-FAC and optimizer step on every rank, as the
     loop would stop there (and the run then diverges at its first step, on the clock)."""
-    ddp = isinstance(loop.model, nn.parallel.DistributedDataParallel)
-    total = torch.zeros((), device=loop.device)
-    for i, batch in enumerate(batches):
-        batch = loop.task.to_device(batch, loop.device)
-        last = i == len(batches) - 1
-        with loop.model.no_sync() if ddp and not last else contextlib.nullcontext():  # type: ignore[operator]
-            with loop.autocast():
-                loss = loop.task.loss(loop.model, batch)
-            scaled = loss / len(batches)
-            (loop.scaler.scale(scaled) if loop.scaler else scaled).backward()
-        total += loss.detach().float()
+    total, _ = forward_backward(loop, batches)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total)
     if not math.isfinite(float(total)):
@@ -117,11 +106,6 @@ def _step(loop: Loop, batches: list[Any]) -> None:
         loop.scaler.unscale_(loop.optimizer)
     if loop.precond is not None:
         loop.precond.step()
-    if loop.scaler is not None:
-        loop.scaler.step(loop.optimizer)
-        loop.scaler.update()
-    else:
-        loop.optimizer.step()
-    loop.optimizer.zero_grad(set_to_none=True)
+    optimizer_step(loop)
     if loop.device.type == "cuda":
         torch.cuda.synchronize(loop.device)

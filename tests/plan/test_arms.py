@@ -144,7 +144,7 @@ def test_a_plan_never_overwrites_an_earlier_one(tmp_path: Path, profile: Path) -
     status, _, _, err = plan(tmp_path, profile, "plan.world_sizes=[2]")
     lines = err.strip().splitlines()
     assert status == 2 and len(lines) == 1
-    assert f"plan.out={tmp_path / 'out'} is not empty; choose a new folder" in lines[0]
+    assert f"plan.out={tmp_path / 'out'} already holds" in lines[0]
     assert (tmp_path / "out" / "plan.json").read_bytes() == before
     # An empty folder is fine (made beforehand, e.g. by a job script).
     (tmp_path / "empty").mkdir()

@@ -42,9 +42,18 @@ def claim_out(out: Path, grid: dict[str, Any]) -> bool:
     from kfac_bench import safe_files
     from kfac_bench.errors import UserError
 
-    safe_files.output_folder(out, f"tune: --out '{out}'", "the tune's runs and tables")
     record = out / GRID_FILE
-    if os.path.lexists(record):
+    continuing = out.is_dir() and os.path.lexists(record)
+    # The output-folder rule (missing or empty), except for a folder this tune's grid record says it
+    # may continue: its runs and tables are the earlier, stopped part of the same tune.
+    safe_files.output_folder(
+        out,
+        f"tune: --out '{out}'",
+        "the tune's runs and tables",
+        replaceable=(lambda name: True) if continuing else None,
+        fix="name a new or empty folder, or the folder of a stopped tune to continue it",
+    ).close()
+    if continuing:
         text = safe_files.read_head(record, 1 << 20)
         try:
             before = json.loads(text) if text is not None else None
@@ -62,8 +71,6 @@ def claim_out(out: Path, grid: dict[str, Any]) -> bool:
                 f"{grid[k]} now); run the same command to continue it, or choose a new --out folder"
             )
         return True
-    if any(out.iterdir()):
-        raise UserError(f"tune: --out {out} is not empty and holds no tune; choose a new folder")
     safe_files.write_atomic(record, json.dumps(grid, indent=1) + "\n")
     return False
 
@@ -80,7 +87,11 @@ def config_lock(config_out: Path) -> Iterator[Path]:
     from kfac_bench.errors import UserError
 
     named = f"tune: --out-config '{config_out}'"
-    safe_files.output_folder(config_out, named, "the tuned recipes")
+    # A config dir holds the user's other configs: the tuned pair joins them (written as a unit, under
+    # the lock below), so the folder need not be empty.
+    safe_files.output_folder(
+        config_out, named, "the tuned recipes", replaceable=lambda name: True
+    ).close()
     try:
         recipes = safe_files.ensure_dir(config_out / "recipe")
     except OSError as exc:
