@@ -349,9 +349,10 @@ def claim(run_dir: Path, cfg: DictConfig | RunConfig) -> None:
         UserError: the directory is in use, not writable, holds a diverged run, or records another config
             (one line).
     """
+    check_planted(run_dir)  # before the lock file too: a refused run dir is left as it was
     lock(run_dir)
     try:
-        check_planted(run_dir)
+        check_planted(run_dir)  # again, under the lock
         from kfac_bench.checkpoint.files import check_folder
 
         check_folder(Path(run_dir) / "checkpoints")  # one the run did not write: before any work

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kfac_bench.data.loader import shutdown_workers
 from kfac_bench.train.loop import Loop, forward_backward, optimizer_step
 
 __all__ = ["RESTORED_PARTS", "warm_up", "warming_up"]
@@ -50,7 +51,13 @@ def warm_up(loop: Loop, stages: Any | None = None) -> bool:
     """
     s = loop.state
     loop.sampler.set_epoch(s.epoch, start=s.sample_in_epoch)
-    batches = list(itertools.islice(iter(loop.train_loader), loop.accumulation_steps))
+    try:
+        batches = list(itertools.islice(iter(loop.train_loader), loop.accumulation_steps))
+    except BaseException:
+        # A worker's error (an unreadable image): end the workers this iterator started, or the
+        # interpreter would wait for them at exit (kfac_bench.data.loader.shutdown_workers).
+        shutdown_workers(loop.train_loader)
+        raise
     if len(batches) < loop.accumulation_steps:
         return False
     parts = {k: p for k, p in loop.checkpoints.parts.items() if k in RESTORED_PARTS}
