@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from kfac_bench import safe_files
 from kfac_bench.checkpoint import files, torchfile
-from kfac_bench.consensus import from_main
 from kfac_bench.errors import ConfigError, UserError
+from kfac_bench.rank_zero import from_main
 
 __all__ = [
     "CHECKPOINT_DIR",

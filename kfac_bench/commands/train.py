@@ -111,7 +111,7 @@ def main(args: Sequence[str]) -> int:
         return 0
     worker = detect().launched
     if worker:
-        from kfac_bench.launcher.lifeline import tie_to_agent
+        from kfac_bench.launcher.agent_tie import tie_to_agent
         from kfac_bench.launcher.signals import catch_early
 
         tie_to_agent()  # a rank dies with the agent that started it, even a SIGKILLed one

@@ -14,7 +14,7 @@ with these differences:
   when the marker is there.
 * A rank's one-line user error (exit 2 on every rank) stays exit 2.
 * The ranks die with this process: a SIGKILL of the agent (which releases the run directory's lock) kills
-  them too, so none trains on unsupervised beside a second run (:mod:`kfac_bench.launcher.lifeline`).
+  them too, so none trains on unsupervised beside a second run (:mod:`kfac_bench.launcher.agent_tie`).
 
 ``launcher=torchrun`` calls :func:`run_torchrun` in the Hydra job's process; ``launch/slurm.sbatch`` and
 ``launch/torchrun_multinode.sh`` start this module on every node, which first checks the config (bounds,
@@ -39,7 +39,7 @@ from typing import Any
 
 from kfac_bench.errors import UserError
 from kfac_bench.launcher import rundir
-from kfac_bench.launcher.lifeline import AGENT_PID_ENV
+from kfac_bench.launcher.agent_tie import AGENT_PID_ENV
 from kfac_bench.launcher.signals import EXIT_REQUEUE, PreemptionFlag
 
 __all__ = [

@@ -34,7 +34,7 @@ JOB_ENV_KEYS = (
     "TORCHELASTIC_RUN_ID",
     "SLURM_NTASKS",
     "SLURM_PROCID",
-    "KFAC_BENCH_AGENT_PID",  # kfac_bench.launcher.lifeline.AGENT_PID_ENV
+    "KFAC_BENCH_AGENT_PID",  # kfac_bench.launcher.agent_tie.AGENT_PID_ENV
 )
 
 

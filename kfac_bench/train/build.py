@@ -37,7 +37,7 @@ from kfac_bench.launcher.distributed import DistEnv
 from kfac_bench.launcher.signals import PreemptionFlag
 from kfac_bench.metrics.mlperf import writes_log
 from kfac_bench.metrics.recorder import Recorder
-from kfac_bench.metrics.timekeeping import StageTimes, StepTimer, TargetTracker
+from kfac_bench.metrics.timekeeping import StageTotals, StepTimer, TargetTracker
 from kfac_bench.metrics.trackers import Tracker
 from kfac_bench.train.loop import Loop
 from kfac_bench.train.mlperf_facts import run_facts
@@ -75,7 +75,7 @@ class Run:
     checkpoints: CheckpointManager
     recorder: Recorder
     batches: BatchLayout
-    stages: StageTimes
+    stages: StageTotals
     world: World
 
 
@@ -184,13 +184,13 @@ def build_run(
         global_batch=batches.global_batch,
         reference_world_size=w0,
     )
-    tracker = TargetTracker(dict(t.targets), task.target_metric, bool(task.higher_is_better))
-    stages = StageTimes(precond)
+    targets = TargetTracker(dict(t.targets), task.target_metric, bool(task.higher_is_better))
+    stages = StageTotals(precond)
     recorder = Recorder(
         run_dir,
         state,
         stages,
-        tracker.primary,
+        targets.primary,
         max_steps,
         enabled=env.is_main,
         progress=str(t.progress.value),
@@ -205,7 +205,7 @@ def build_run(
             max_steps=max_steps,
             world_size=env.world_size,
             device=device,
-            primary=tracker.primary,
+            primary=targets.primary,
             starting_world_size=w0,
             init_start_s=init_start_s,
         ),
@@ -220,7 +220,7 @@ def build_run(
             "scaler": scaler,
             "precond": PreconditionerState(precond) if precond is not None else None,
             "train_state": state,
-            "tracker": tracker,
+            "tracker": targets,
             "stage_times": stages,
             "mlperf_log": recorder.mlperf,  # its length and clock: a resumed run continues the log
             "rng": RNGState(env.rank, env.world_size),  # last: restored after everything else
@@ -242,7 +242,7 @@ def build_run(
         eval_loader=eval_loader,
         sampler=sampler,
         state=state,
-        tracker=tracker,
+        target_tracker=targets,
         recorder=recorder,
         checkpoints=checkpoints,
         preempt=PreemptionFlag(),

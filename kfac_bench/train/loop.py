@@ -37,7 +37,8 @@ class Loop:
 
     ``model`` is what the forward pass calls (the DDP wrapper when distributed); ``module`` is the bare
     model (evaluation, checkpoints). ``recorder`` receives the measurements (it does not change the order);
-    ``tracker`` is the run's one stop test; ``checkpoints`` saves every stateful part. With ``step_timer``
+    ``target_tracker`` is the run's one stop test (the target; experiment trackers are the recorder's);
+    ``checkpoints`` saves every stateful part. With ``step_timer``
     (``train.mode=benchmark``) the loop only trains and times its steps: no evaluation, no checkpoint.
     """
 
@@ -54,7 +55,7 @@ class Loop:
     eval_loader: Any
     sampler: Any
     state: TrainState
-    tracker: TargetTracker
+    target_tracker: TargetTracker
     recorder: Recorder
     checkpoints: CheckpointManager
     preempt: PreemptionFlag
@@ -136,7 +137,9 @@ def run_loop(loop: Loop) -> str:
         if loop.checkpoint_at_end:
             loop.checkpoints.save(s.step)
         return (
-            "success" if loop.tracker.reached or not loop.tracker.targets else "target_not_reached"
+            "success"
+            if loop.target_tracker.reached or not loop.target_tracker.targets
+            else "target_not_reached"
         )
     except NonFiniteState as exc:
         s.train_clock.stop()
@@ -195,7 +198,7 @@ def _after_step(loop: Loop, preempted: bool) -> str | None:
     if timer is None and _due(s.step, loop.eval_every_steps):
         evaluate(loop)
         s.train_clock.start()
-        if loop.stop_at_target and loop.tracker.reached:
+        if loop.stop_at_target and loop.target_tracker.reached:
             if loop.checkpoint_at_end:
                 loop.checkpoints.save(s.step)
             return "success"
@@ -223,7 +226,7 @@ def _after_epoch(loop: Loop) -> str | None:
         return None  # a benchmark: no evaluation, no checkpoint
     if (_due(s.epoch, loop.eval_every_epochs) or finished) and s.last_eval_step != s.step:
         evaluate(loop)
-        if loop.stop_at_target and loop.tracker.reached:
+        if loop.stop_at_target and loop.target_tracker.reached:
             if loop.checkpoint_at_end:
                 loop.checkpoints.save(s.step)
             return "success"
@@ -286,7 +289,7 @@ def evaluate(loop: Loop) -> dict[str, Any]:
         "metrics": metrics,
     }
     s.last_eval_step = s.step
-    first = loop.tracker.update(record)
+    first = loop.target_tracker.update(record)
     loop.recorder.on_eval(record, target_met=first)
     return record
 

@@ -16,7 +16,6 @@ from omegaconf import OmegaConf
 from kfac_bench.checkpoint import elastic, warm_start
 from kfac_bench.checkpoint.manager import CHECKPOINT_DIR
 from kfac_bench.config.schema import RunConfig
-from kfac_bench.consensus import from_main
 from kfac_bench.data.batching import global_batch_note, rank_batch
 from kfac_bench.data.loader import shutdown_workers
 from kfac_bench.errors import UserError
@@ -27,6 +26,7 @@ from kfac_bench.metrics.environment import run_environment
 from kfac_bench.metrics.sinks import check_log_dir
 from kfac_bench.metrics.summary import label_of_arm
 from kfac_bench.metrics.trackers import Tracker, open_tracker
+from kfac_bench.rank_zero import from_main
 from kfac_bench.train.build import Run, build_run, seed_everything
 from kfac_bench.train.loop import run_loop
 from kfac_bench.train.warmup import warm_up
@@ -302,7 +302,7 @@ def _finished_summary(run_dir: Path, loop: Any) -> dict[str, Any] | None:
     there is no readable summary of that step to keep."""
     s = loop.state
     spent = s.epoch >= loop.epochs or s.step >= loop.max_steps
-    stopped = loop.stop_at_target and loop.tracker.reached is not None
+    stopped = loop.stop_at_target and loop.target_tracker.reached is not None
     if loop.step_timer is not None or not (spent or stopped) or s.last_eval_step != s.step:
         return None
     try:
@@ -338,7 +338,7 @@ def _summarize(
     result = summary.run_summary(
         name=cfg.name,
         status=status,
-        tracker=loop.tracker,
+        tracker=loop.target_tracker,
         steps=state.step,
         steps_per_epoch=run.batches.steps_per_epoch,
         samples=state.samples,

@@ -46,7 +46,7 @@ def warming_up() -> bool:
 
 def warm_up(loop: Loop, stages: Any | None = None) -> bool:
     """Run one untimed optimizer step on the first batch of the epoch the loop starts in, then restore
-    the state it changed; ``stages`` (:class:`~kfac_bench.metrics.timekeeping.StageTimes`) loses the stage
+    the state it changed; ``stages`` (:class:`~kfac_bench.metrics.timekeeping.StageTotals`) loses the stage
     seconds the step took. Returns False (nothing done) when there is no batch to take.
     """
     s = loop.state
