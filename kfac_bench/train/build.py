@@ -144,32 +144,10 @@ def build_run(
     batches, world = _batches(t, splits, env.world_size, starting_world_size or env.world_size)
     sampler.cover(batches.steps_per_epoch * batches.global_batch)
     w0 = world.world_size  # the hyperparameters' world size
-    max_steps = min(t.epochs * batches.steps_per_epoch, t.max_steps or sys.maxsize)
-    epochs = t.epochs
-    benchmark = str(t.mode.value) == "benchmark"
-    if benchmark:  # warm-up and timed steps, over as many epochs as they take
-        max_steps = t.benchmark_warmup_steps + t.benchmark_steps
-        epochs = -(-max_steps // batches.steps_per_epoch)
+    epochs, max_steps, benchmark = _budget(t, batches.steps_per_epoch)
     precision = Precision(t.precision)
-    fp16_on_cuda = device.type == "cuda" and precision is Precision.fp16
-    scaler = torch.amp.GradScaler("cuda") if fp16_on_cuda else None
-    optimizer = build_optimizer(module, cfg.optimizer, w0)
-    factor = lr_factor(
-        cfg.lr_schedule,
-        batches.steps_per_epoch,
-        max_steps,
-        w0,
-        base_lr=base_lr(cfg.optimizer, w0),
-    )
-    scheduler = build_lr_scheduler(optimizer, factor)
-    precond = build_preconditioner(
-        module,
-        cfg.kfac,
-        steps_per_epoch=batches.steps_per_epoch,
-        world_size=w0,
-        accumulation_steps=batches.accumulation_steps,
-        lr=lambda step: optimizer.param_groups[0]["lr"],
-        grad_scaler=scaler,
+    optimizer, scheduler, precond, scaler = _update_rule(
+        cfg, module, batches, w0, max_steps, device, precision
     )
     model: nn.Module = module
     if env.distributed:
@@ -263,6 +241,51 @@ def build_run(
         step_timer=StepTimer(t.benchmark_warmup_steps) if benchmark else None,
     )
     return Run(loop, checkpoints, recorder, batches, stages, world)
+
+
+def _budget(t: TrainConfig, steps_per_epoch: int) -> tuple[int, int, bool]:
+    """(epochs, max steps, whether a benchmark): a benchmark's warm-up and timed steps take as many epochs
+    as they need."""
+    max_steps = min(t.epochs * steps_per_epoch, t.max_steps or sys.maxsize)
+    benchmark = str(t.mode.value) == "benchmark"
+    if not benchmark:
+        return t.epochs, max_steps, False
+    max_steps = t.benchmark_warmup_steps + t.benchmark_steps
+    return -(-max_steps // steps_per_epoch), max_steps, True
+
+
+def _update_rule(
+    cfg: RunConfig,
+    module: nn.Module,
+    batches: BatchLayout,
+    world_size: int,
+    max_steps: int,
+    device: torch.device,
+    precision: Precision,
+) -> tuple[torch.optim.Optimizer, Any, Any, Any]:
+    """(optimizer, LR scheduler, preconditioner or None, AMP grad scaler or None) for the run's
+    hyperparameters on ``world_size`` ranks, each built from its own config section."""
+    fp16_on_cuda = device.type == "cuda" and precision is Precision.fp16
+    scaler = torch.amp.GradScaler("cuda") if fp16_on_cuda else None
+    optimizer = build_optimizer(module, cfg.optimizer, world_size)
+    factor = lr_factor(
+        cfg.lr_schedule,
+        batches.steps_per_epoch,
+        max_steps,
+        world_size,
+        base_lr=base_lr(cfg.optimizer, world_size),
+    )
+    scheduler = build_lr_scheduler(optimizer, factor)
+    precond = build_preconditioner(
+        module,
+        cfg.kfac,
+        steps_per_epoch=batches.steps_per_epoch,
+        world_size=world_size,
+        accumulation_steps=batches.accumulation_steps,
+        lr=lambda step: optimizer.param_groups[0]["lr"],
+        grad_scaler=scaler,
+    )
+    return optimizer, scheduler, precond, scaler
 
 
 def _batches(
