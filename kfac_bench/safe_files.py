@@ -360,6 +360,15 @@ def ensure_dir(path: Path | str) -> Path:
 _NOT_EMPTY_FIX = "name a new or empty folder, or remove what is in it"
 
 
+def new_folder_name(prefix: str) -> str:
+    """``<prefix>_<date>_<time>_<6 hex digits>``: the name of a command's default output folder (the
+    random suffix tells apart two started in the same second)."""
+    import secrets
+    import time
+
+    return f"{prefix}_{time.strftime('%Y-%m-%d_%H-%M-%S')}_{secrets.token_hex(3)}"
+
+
 def output_folder(
     out: Path | str,
     named: str,

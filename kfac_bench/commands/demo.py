@@ -109,11 +109,9 @@ def _train(overrides: list[str], run_dir: Path) -> int:
 
 def _out_path(given: str | None) -> Path:
     """The demo's folder: ``--out``, else a new one under ``runs/``."""
-    from kfac_bench.config.resolvers import unique_suffix
+    from kfac_bench.safe_files import new_folder_name
 
-    if given is None:
-        given = str(Path("runs") / f"demo_{time.strftime('%Y-%m-%d_%H-%M-%S')}_{unique_suffix()}")
-    return Path(given)
+    return Path(given) if given is not None else Path("runs") / new_folder_name("demo")
 
 
 def main(args: Sequence[str]) -> int:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -107,8 +106,7 @@ def main(args: Sequence[str]) -> int:
             f"plan.kfac_{which}=N and/or plan.baseline_{which}=N"
         )
     cfg = parse_plan_config(plan_args)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    from kfac_bench.safe_files import output_folder
+    from kfac_bench.safe_files import new_folder_name, output_folder
 
     if cfg.out is not None:  # before the seconds of work a plan takes: new or empty, else refused
         output_folder(cfg.out, f"plan.out={cfg.out}", "the plan's files").close()
@@ -161,12 +159,8 @@ def main(args: Sequence[str]) -> int:
             "reason": "no measured baseline step: give plan.profile_file=PROFILE.yaml (make gpu-check "
             "writes one on a GPU; profiles/ has the paper's)"
         }
-    if cfg.out is not None:
-        out = Path(cfg.out)
-    else:  # two plans started in one second get two folders
-        from kfac_bench.config.resolvers import unique_suffix
-
-        out = Path("runs", "plan", f"{planned.recipe}_{stamp}_{unique_suffix()}")
+    default = Path("runs", "plan", new_folder_name(planned.recipe))
+    out = Path(cfg.out) if cfg.out is not None else default
     with output_folder(out, f"plan.out={out}", "the plan's files") as folder:
         written = [
             folder.write("plan.json", json.dumps(plan, indent=1) + "\n"),

@@ -30,7 +30,6 @@ import json
 import math
 import os
 import shlex
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -365,8 +364,8 @@ def main(args: Sequence[str]) -> int:
     """``kfac-bench tune ARGS``; returns the exit status: 0, 75 when stopped by a signal (started again
     on the same ``--out`` it continues), :data:`EXIT_NOT_REACHED` when an arm never reached the target,
     else the first failed run's."""
-    from kfac_bench.config.resolvers import unique_suffix
     from kfac_bench.errors import UserError
+    from kfac_bench.safe_files import new_folder_name
 
     ns = _parse(args)
     name, rest = _recipe(ns.overrides)
@@ -378,11 +377,7 @@ def main(args: Sequence[str]) -> int:
         if ns.dampings
         else [float(f"{base_damping * f:.3g}") for f in (1 / 3, 1, 3)]
     )
-    out = (
-        Path(ns.out)
-        if ns.out
-        else Path("runs") / f"tune_{time.strftime('%Y-%m-%d_%H-%M-%S')}_{unique_suffix()}"
-    )
+    out = Path(ns.out) if ns.out else Path("runs") / new_folder_name("tune")
     if os.path.islink(out):
         raise UserError(f"tune: --out {out} is a symbolic link; give a folder of its own")
     if out.exists() and not out.is_dir():

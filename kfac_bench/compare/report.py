@@ -20,9 +20,7 @@ from __future__ import annotations
 import csv
 import io
 import os
-import secrets
 import textwrap
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -473,7 +471,7 @@ def default_out(paths: Sequence[str | Path], kind: str = "compare") -> Path:
     cwd = Path.cwd().resolve()
     if common == cwd or common in cwd.parents:
         common = Path("runs")
-    return common / f"{kind}_{time.strftime('%Y-%m-%d_%H-%M-%S')}_{secrets.token_hex(3)}"
+    return common / safe_files.new_folder_name(kind)
 
 
 def output_dir(out: Path | str) -> safe_files.Folder:

@@ -4,6 +4,7 @@ leaves untouched."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -163,15 +164,14 @@ def test_an_output_that_cannot_be_a_folder_stops_before_the_work(
 def test_the_default_output_is_a_fresh_folder_under_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Without plan.out the files go to runs/plan/<recipe>_<date>-<time>/ (runs/ is git-ignored); without a
-    profile the time to solution is an empty list and the reason."""
+    """Without plan.out the files go to runs/plan/<recipe>_<date>_<time>_<uid>/ (runs/ is git-ignored);
+    without a profile the time to solution is an empty list and the reason."""
     monkeypatch.chdir(tmp_path)
     assert main(["plan", "+recipe=digits", "plan.world_sizes=[2]"]) == 0
     (folder,) = (tmp_path / "runs" / "plan").iterdir()
-    # <recipe>_<date>-<time>_<6 random hex digits>: two plans in one second get two folders.
-    assert folder.name.startswith("digits_") and len(folder.name) == len(
-        "digits_20260101-000000_a1b2c3"
-    )
+    # <recipe>_<date>_<time>_<6 random hex digits>, as every command's default output folder: two plans
+    # in one second get two folders.
+    assert re.fullmatch(r"digits_\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}", folder.name)
     assert sorted(p.name for p in folder.iterdir()) == ["plan.json", "plan.png"]
     plan = json.loads((folder / "plan.json").read_text())
     assert plan["time_to_solution"] == []
