@@ -91,11 +91,6 @@ def is_run(path: Path) -> bool:
     return (path / SUMMARY_FILE).is_file() or (path / EVAL_FILE).is_file()
 
 
-def _started(path: Path) -> bool:
-    """A run directory that recorded its config (the run was claimed) but no summary or evaluation."""
-    return (path / CONFIG_FILE).is_file() or (path / ".hydra" / "config.yaml").is_file()
-
-
 def run_dirs(
     paths: Sequence[str | Path], on_warning: Callable[[str], None] | None = None
 ) -> list[Path]:
