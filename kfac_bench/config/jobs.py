@@ -31,6 +31,7 @@ __all__ = [
     "interleave",
     "job_part",
     "load_run_config",
+    "read_recorded",
     "sweep_points",
     "typed",
 ]
@@ -189,6 +190,24 @@ def _resolve_dir(cfg: DictConfig, key: str) -> Path:
     return Path(str(value))
 
 
+def read_recorded(path: Path, fix: str) -> Any:
+    """The YAML a run recorded at ``path`` (its ``config.yaml``), parsed as data.
+
+    Raises:
+        ConfigError: the file cannot be read or parsed: one line naming it, ending with ``fix``.
+    """
+    import yaml
+
+    from kfac_bench.errors import ConfigError
+
+    try:
+        return yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError, yaml.YAMLError) as exc:
+        raise ConfigError(
+            f"cannot read the recorded config {path} ({type(exc).__name__}); {fix}"
+        ) from None
+
+
 def load_run_config(recorded: Mapping[str, Any] | Path) -> RunConfig:
     """A run's config as recorded in its run directory (``config.yaml``, resolved), typed by the run
     schema again (enums, bounds), so that a rank trains exactly the config its launcher composed.
@@ -196,19 +215,12 @@ def load_run_config(recorded: Mapping[str, Any] | Path) -> RunConfig:
     Raises:
         ConfigError: the file cannot be read or does not fit the schema.
     """
-    import yaml
     from omegaconf.errors import OmegaConfBaseException
 
     from kfac_bench.errors import ConfigError
 
     if isinstance(recorded, Path):
-        try:
-            recorded = yaml.safe_load(recorded.read_bytes().decode("utf-8"))
-        except (OSError, ValueError, RecursionError, yaml.YAMLError) as exc:
-            raise ConfigError(
-                f"cannot read the run's recorded config ({type(exc).__name__}: {exc}); start the run "
-                "again from its command line"
-            ) from None
+        recorded = read_recorded(recorded, "start the run again from its command line")
     if not isinstance(recorded, Mapping):
         raise ConfigError("the run's recorded config is not a mapping; start the run again")
     schema = OmegaConf.structured(RunConfig)

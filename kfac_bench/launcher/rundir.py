@@ -28,7 +28,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from kfac_bench import safe_files
@@ -274,13 +273,9 @@ def check_config(run_dir: Path, cfg: RunConfig | DictConfig | Mapping[str, Any])
                 f"{path}, or start the run over with train.resume=false, or choose another hydra.run.dir"
             )
         return
-    try:
-        recorded = yaml.safe_load(path.read_bytes().decode("utf-8"))
-    except (OSError, ValueError, RecursionError, yaml.YAMLError) as exc:
-        raise ConfigError(
-            f"cannot read the recorded config {path} ({type(exc).__name__}); restore it or choose "
-            "another hydra.run.dir"
-        ) from None
+    from kfac_bench.config.jobs import read_recorded
+
+    recorded = read_recorded(path, "restore it or choose another hydra.run.dir")
     drift = config_drift(recorded if isinstance(recorded, dict) else {}, _plain(cfg))
     if not drift:
         return
