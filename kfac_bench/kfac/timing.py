@@ -28,7 +28,9 @@ STAGES = tuple(s.value for s in Stage)
 
 
 class StageTimer:
-    """Cumulative seconds per stage; a no-op unless ``enabled``."""
+    """Cumulative seconds per stage; a no-op unless ``enabled``. While ``torch.profiler`` records, each
+    stage is also a ``kfac::<stage>`` range of the trace, so a profile attributes ops to stages
+    (``benchmarks/ops.py``)."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
@@ -38,16 +40,22 @@ class StageTimer:
     def __call__(self, name: Stage, sync: bool = True) -> Iterator[None]:
         """Add the block's wall time to stage ``name``. ``sync=False`` (inside hooks, where synchronising
         CUDA per layer would stall the pipeline) measures host time only, exact on CPU."""
-        if not self.enabled:
+        label = (
+            torch.profiler.record_function(f"kfac::{name.value}")
+            if torch.autograd.profiler._is_profiler_enabled
+            else contextlib.nullcontext()
+        )
+        with label:
+            if not self.enabled:
+                yield
+                return
+            if sync:
+                _sync()
+            t0 = time.perf_counter()
             yield
-            return
-        if sync:
-            _sync()
-        t0 = time.perf_counter()
-        yield
-        if sync:
-            _sync()
-        self.seconds[name.value] += time.perf_counter() - t0
+            if sync:
+                _sync()
+            self.seconds[name.value] += time.perf_counter() - t0
 
 
 def _sync() -> None:
