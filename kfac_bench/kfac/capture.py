@@ -50,7 +50,9 @@ from typing import Any
 
 import torch
 
+from .batching import PendingGrams
 from .factors import fold
+from .layers import Gram
 from .options import FactorScaling
 from .outside import OutsideGradients
 from .state import Call, LayerState
@@ -115,12 +117,18 @@ class Capture:
         self._rows: dict[str, list[int]] = {}
         #: The check for weights that also receive gradient outside their module's call (:mod:`.outside`).
         self.outside = OutsideGradients()
+        #: Calls whose grams are computed with their key's other calls (:mod:`.batching`), and how many
+        #: calls of each layer wait for their key's batch with their gradient arrived.
+        self.batch = PendingGrams(factor_dtype, self._deliver)
+        self._held_layers: dict[str, int] = {}
         for layer in layers.values():
             self.attach(layer)
 
     def start_step(self, collect: bool) -> None:
         """A new optimizer step begins; ``collect``: whether its factors are due. Calls whose output was
         never backpropagated are dropped."""
+        self.batch.clear()
+        self._held_layers.clear()
         for layer in self.layers.values():
             layer.calls.clear()
             self._close(layer)
@@ -171,25 +179,12 @@ class Capture:
             if task == -1:
                 self._count_rows(layer, x, recorded=True)
             pos = self._position_rows(layer, output)
-            with (
-                self.timer(Stage.FACTOR, sync=False),
-                _no_autocast(x.device.type),
-                _named(layer, "A"),
-            ):
-                if pos is None:
-                    a = layer.handler.a_gram(module, x, self.factor_dtype, layer.bias)
-                else:
-                    a = PositionSubset.a_gram(
-                        layer.handler,
-                        module,
-                        x,
-                        self.factor_dtype,
-                        layer.bias,
-                        pos,
-                        output.shape[-2],
-                    )
-            _check_shape(layer, "A", a.sum, layer.a_dim)
-            call = Call(a, rows=rows, positions=pos)
+            key = self.batch.key(layer, x) if rows is None and pos is None else None
+            if key is not None:  # computed with the key's other calls (:mod:`.batching`)
+                call = Call(None, key=key)
+                self.batch.record(key, layer, call, x)
+            else:
+                call = Call(self._a_gram(layer, module, x, pos, output), rows=rows, positions=pos)
             layer.calls.append(call)
             if task != -1:
                 # Reentrant activation checkpointing recomputes the forward inside the outer backward pass
@@ -208,6 +203,35 @@ class Capture:
             node.register_prehook(self._grad_hook(layer, weakref.ref(call), index, shape))
 
         return hook
+
+    def _a_gram(
+        self,
+        layer: LayerState,
+        module: torch.nn.Module,
+        x: torch.Tensor,
+        pos: torch.Tensor | None,
+        output: torch.Tensor,
+    ) -> Gram:
+        """The input-factor gram of one call, computed now (handlers without batched grams)."""
+        with (
+            self.timer(Stage.FACTOR, sync=False),
+            _no_autocast(x.device.type),
+            _named(layer, "A"),
+        ):
+            if pos is None:
+                a = layer.handler.a_gram(module, x, self.factor_dtype, layer.bias)
+            else:
+                a = PositionSubset.a_gram(
+                    layer.handler,
+                    module,
+                    x,
+                    self.factor_dtype,
+                    layer.bias,
+                    pos,
+                    output.shape[-2],
+                )
+        _check_shape(layer, "A", a.sum, layer.a_dim)
+        return a
 
     def _position_rows(self, layer: LayerState, output: torch.Tensor) -> torch.Tensor | None:
         """The output rows a conv call's factors use (``factor_position_fraction``); None: all."""
@@ -242,6 +266,15 @@ class Capture:
                     g = g.reshape(shape)
                 if layer.batch_dim:
                     g = g.movedim(layer.batch_dim, 0)
+            if call.key is not None:  # the grams wait for the key's other calls
+                if g is not None:
+                    self._held_layers[layer.name] = self._held_layers.get(layer.name, 0) + 1
+                with self.timer(Stage.FACTOR, sync=False), _no_autocast(layer.device.type):
+                    self.batch.arrive(call.key, call, g, self._loss_scale())
+                self._settle(layer)
+                return
+            if g is not None:
+                assert call.a is not None
                 weight = 1.0
                 if call.rows is not None and self.subset is not None and g.shape[0] > 1:
                     weight = self.subset.g_weight(g.shape[0], call.rows.numel())
@@ -257,22 +290,44 @@ class Capture:
                         gram = PositionSubset.g_gram(
                             layer.handler, layer.module, g, self.factor_dtype, call.positions
                         )
-                    scale = self._loss_scale()
-                    if scale is not None:
-                        gram = gram._replace(sum=gram.sum / scale**2)
                     if weight != 1.0:
                         gram = gram._replace(sum=gram.sum.mul_(weight))
-                _check_shape(layer, "G", gram.sum, layer.g_dim)
-                if not layer.group:
-                    self._touched.append(layer)
-                layer.group.append((call.a, gram))
-                layer.received = True
-            if not layer.calls and layer.group:
-                self._close(layer)
-                if self.backwards == self.accumulation_steps - 1:
-                    self.on_final(layer)
+                self._receive(layer, call.a, gram, self._loss_scale())
+            self._settle(layer)
 
         return hook
+
+    def _receive(self, layer: LayerState, a: Gram, g: Gram, scale: Any) -> None:
+        """A call's two grams: into the running backward pass's group of the layer."""
+        if scale is not None:
+            g = g._replace(sum=g.sum / scale**2)
+        _check_shape(layer, "A", a.sum, layer.a_dim)
+        _check_shape(layer, "G", g.sum, layer.g_dim)
+        if not layer.group:
+            self._touched.append(layer)
+        layer.group.append((a, g))
+        layer.received = True
+
+    def _settle(self, layer: LayerState) -> None:
+        """Once none of the layer's calls waits for a gradient or a batch: fold its group, and in the last
+        backward pass of a step hand it over (the reduction overlaps the rest of the pass)."""
+        if not layer.calls and layer.group and not self._waiting(layer):
+            self._close(layer)
+            if self.backwards == self.accumulation_steps - 1:
+                self.on_final(layer)
+
+    def _waiting(self, layer: LayerState) -> bool:
+        """Whether a call of ``layer`` whose gradient arrived still waits for its key's batch."""
+        return layer.name in self._held_layers
+
+    def _deliver(self, layer: LayerState, a: Gram, g: Gram, scale: Any) -> None:
+        """A batched call's grams (:mod:`.batching`)."""
+        self._held_layers[layer.name] -= 1
+        if not self._held_layers[layer.name]:
+            del self._held_layers[layer.name]
+        with _named(layer, "A and G"):
+            self._receive(layer, a, g, scale)
+        self._settle(layer)
 
     def _count_rows(self, layer: LayerState, x: torch.Tensor, recorded: bool) -> None:
         """Tally a Linear-type call's rows for ``L``, the terms of this backward pass (``'expand'``, see
@@ -305,6 +360,8 @@ class Capture:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _backward_done(self) -> None:
+        with self.timer(Stage.FACTOR, sync=False):
+            self.batch.flush()
         for layer in self._touched:
             self._close(layer)
         self._touched.clear()

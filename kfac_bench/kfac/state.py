@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,9 +40,10 @@ class Accumulator:
 
 @dataclass(eq=False)
 class Call:
-    """One forward call of a layer whose output gradient has not arrived yet: its input-factor gram."""
+    """One forward call of a layer whose output gradient has not arrived yet: its input-factor gram, or
+    (batched, :mod:`.batching`) its key, the gram computed with its key's other calls."""
 
-    a: Gram
+    a: Gram | None
     done: bool = False
     # The examples its factors use (``factor_batch_fraction`` < 1, see :mod:`.subsample`); None: all.
     rows: torch.Tensor | None = None
@@ -49,6 +51,9 @@ class Call:
     nested: bool = False
     # The rows of output positions its factors use (``factor_position_fraction`` < 1); None: all.
     positions: torch.Tensor | None = None
+    # Batched calls: the batch key and what the batch holds for the call until its key is computed.
+    key: Any = None
+    held: Any = None
 
 
 @dataclass
@@ -125,7 +130,7 @@ def memory_by_category(
             result_bytes(r) for k, r in s.parts.items() if k not in tuple(Factor)
         )
         out["batch_buffers"] += tensor_bytes(
-            s.a_batch.total, s.g_batch.total, *(c.a.sum for c in s.calls)
+            s.a_batch.total, s.g_batch.total, *(c.a.sum for c in s.calls if c.a is not None)
         )
         out["batch_buffers"] += sum(tensor_bytes(a.sum, g.sum) for a, g in s.group)
     out["batch_buffers"] += handed_bytes

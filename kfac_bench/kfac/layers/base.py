@@ -20,7 +20,8 @@ Conventions shared by every handler:
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Protocol
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -71,6 +72,63 @@ class LayerHandler(Protocol):
     def set_grad(self, module: nn.Module, grad: torch.Tensor, bias: bool) -> None:
         """Write a ``(g_dim, a_dim)`` matrix back into the weight (and bias) ``.grad``."""
         ...
+
+
+@runtime_checkable
+class BatchedGrams(Protocol):
+    """Optional part of a handler: the grams of several calls of its layers computed together.
+
+    Calls (of any layers of the handler's type) whose :meth:`batch_key` is equal and not None have inputs
+    (and output gradients) of one shape and one geometry; the capture keeps them until every call of the
+    key in the running backward pass has its gradient, then computes all their grams in a few batched ops
+    (:mod:`kfac_bench.kfac.batching`) instead of a few ops per call. Handlers without these methods are
+    computed call by call, as they arrive.
+    """
+
+    def batch_key(self, module: nn.Module, x: torch.Tensor, bias: bool) -> Hashable | None:
+        """Which calls' grams can be computed together with this one's (None: not batched)."""
+        ...
+
+    def a_grams(
+        self,
+        modules: Sequence[nn.Module],
+        xs: Sequence[torch.Tensor],
+        dtype: torch.dtype,
+        bias: bool,
+    ) -> list[Gram]:
+        """:meth:`LayerHandler.a_gram` of each call, computed together (views of one stacked tensor)."""
+        ...
+
+    def g_grams(
+        self, modules: Sequence[nn.Module], gs: Sequence[torch.Tensor], dtype: torch.dtype
+    ) -> list[Gram]:
+        """:meth:`LayerHandler.g_gram` of each call, computed together (views of one stacked tensor)."""
+        ...
+
+
+def stacked(rows: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.stack(rows)`` in ``dtype`` in one multi-tensor copy (the cast included)."""
+    out = torch.empty((len(rows), *rows[0].shape), dtype=dtype, device=rows[0].device)
+    try:
+        torch._foreach_copy_(list(out.unbind(0)), list(rows))
+    except RuntimeError:  # tensors without a multi-tensor kernel (e.g. functorch's under vmap)
+        return torch.stack([r.to(dtype) for r in rows])
+    return out
+
+
+def grams_with_ones(rows: torch.Tensor, bias: bool) -> torch.Tensor:
+    """:func:`gram_with_ones` of each of the ``B`` row matrices of ``rows`` ``(B, R, D)``: ``(B, D', D')``."""
+    gram = torch.bmm(rows.transpose(1, 2), rows)
+    if not bias:
+        return gram
+    b, r, d = rows.shape
+    out = gram.new_empty(b, d + 1, d + 1)
+    out[:, :d, :d] = gram
+    s = rows.sum(dim=1)
+    out[:, :d, d] = s
+    out[:, d, :d] = s
+    out[:, d, d] = r
+    return out
 
 
 class WeightBiasHandler:

@@ -1,0 +1,187 @@
+"""Exact Conv2d input factors of several same-shaped calls at once: a few batched GEMMs per group.
+
+Same contract as :func:`~.conv_unfold.conv2d_a_factor` (``S = Σ_n Σ_t p pᵀ`` of each call, ``D = C·kh·kw``
+(+1 with ``bias``), rows in the order of ``weight.reshape(out, -1)``), for ``B`` inputs of one shape and
+one convolution geometry, returned stacked ``(B, D', D')``. Two exact kernels, chosen per device type
+(:func:`batched_method`):
+
+* ``'pixel'`` (the CPU's): the shift method (:mod:`.conv_shift`) reorganised so that every shift of every
+  call is one batched GEMM. The inputs are zero-padded into one buffer laid out ``(call, pixel, C, N)``: a
+  pixel's ``(C, N)`` slice is a matrix, and block ``(k, k')`` of ``A`` is ``Σ_p X[p] X[p + δ]ᵀ`` over the
+  pixels ``p`` that kernel position ``k`` reads (its *window*), ``δ = (i'-i)·Wp + (j'-j)`` the partner's
+  flat pixel offset. For one kernel-row offset ``dy``, the partners of all column offsets ``dx`` of a pixel
+  are consecutive pixels, so their ``(C, N)`` slices form one ``(n·C, N)`` matrix: one ``bmm`` over all
+  pixels of all calls gives every ``(pixel, dx)`` product for that ``dy`` (``kh`` GEMMs in all, reading
+  strided views of the buffer, no copy). The windows are then one matrix product with a 0/1 window mask
+  ``(kh·kw, pixels)`` per ``dy``, exact (no subtraction of boundary bands), and two indexed writes place
+  every block and its mirror image. Strides are windows with gaps (the same kernel, used by the tests on
+  strided geometries); the CPU takes it for stride and dilation 1.
+* ``'unfold'``: im2col of all calls' examples at once and one batched GEMM (``bmm``) of the patches,
+  ``kh·kw`` times the input in memory: strided convolutions on the CPU, and every convolution on other
+  device types, where one large GEMM runs near peak and each extra launch costs more than the FLOPs it
+  saves (unmeasured there: ``python -m benchmarks.conv_factor`` times the kernels on a device).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .conv_shift import Padding, Pair
+
+__all__ = ["batched_method", "conv2d_a_factors"]
+
+
+def batched_method(device_type: str, stride: Pair, dilation: Pair) -> str:
+    """``'pixel'`` on the CPU for stride and dilation 1, ``'unfold'`` otherwise (module docstring). With a
+    stride the pixel kernel would compute the products of every pixel for windows that read a quarter of
+    them (stride 2): unfold was faster there (ResNet-32's two stride-2 layers, 2 threads)."""
+    if device_type == "cpu" and tuple(stride) == (1, 1) and tuple(dilation) == (1, 1):
+        return "pixel"
+    return "unfold"
+
+
+@functools.lru_cache(maxsize=256)
+def _pixel_plan(
+    h: int, w: int, kernel_size: Pair, stride: Pair, padding: Padding
+) -> tuple[int, int, int, int, list[list[int]], list[int], list[int], list[int], list[int]]:
+    """Shapes and index lists of the pixel kernel: ``(Hp, Wp, out_h, out_w, windows, first, second,
+    shift, shift_starts)``; ``windows[k]`` the flat padded pixels kernel position ``k`` reads."""
+    kh, kw = kernel_size
+    sh, sw = stride
+    top, bottom, left, right = padding
+    hp, wp = h + top + bottom, w + left + right
+    out_h, out_w = (hp - kh) // sh + 1, (wp - kw) // sw + 1
+    windows = [
+        [(oy * sh + i) * wp + ox * sw + j for oy in range(out_h) for ox in range(out_w)]
+        for i in range(kh)
+        for j in range(kw)
+    ]
+    # Shift index of (dy, dx): dy = 0 holds dx = 0..kw-1, every dy > 0 holds dx = -(kw-1)..kw-1.
+    starts = [0] + [kw + (dy - 1) * (2 * kw - 1) for dy in range(1, kh)]
+    first, second, shift = [], [], []
+    for a in range(kh * kw):
+        for b in range(a, kh * kw):
+            (ia, ja), (ib, jb) = divmod(a, kw), divmod(b, kw)
+            dy, dx = ib - ia, jb - ja
+            first.append(a)
+            second.append(b)
+            shift.append(starts[dy] + (dx if dy == 0 else dx + kw - 1))
+    return hp, wp, out_h, out_w, windows, first, second, shift, starts
+
+
+@functools.lru_cache(maxsize=256)
+def _device_tensors(
+    h: int,
+    w: int,
+    kernel_size: Pair,
+    stride: Pair,
+    padding: Padding,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The window mask ``(kh·kw, Hp·Wp)`` in ``dtype`` and the pair index tensors, made once per device."""
+    hp, wp, _, _, windows, first, second, shift, _ = _pixel_plan(h, w, kernel_size, stride, padding)
+    mask = torch.zeros(len(windows), hp * wp, dtype=dtype)
+    for k, pixels in enumerate(windows):
+        mask[k, pixels] = 1.0
+
+    def index(values: list[int]) -> Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return mask.to(device), index(first), index(second), index(shift)
+
+
+def conv2d_a_factors(
+    xs: Sequence[Tensor],
+    kernel_size: Pair,
+    stride: Pair,
+    padding: Padding,
+    dilation: Pair,
+    bias: bool,
+    dtype: torch.dtype,
+) -> Tensor:
+    """Input factors of ``xs`` (``B`` inputs ``(N, C, H, W)`` of one shape), stacked ``(B, D', D')`` in
+    ``dtype``, by :func:`batched_method` for the inputs' device (contract in the module docstring)."""
+    if batched_method(xs[0].device.type, stride, dilation) == "pixel":
+        return _pixel(xs, tuple(kernel_size), tuple(stride), tuple(padding), bias, dtype)
+    return _unfold(xs, kernel_size, stride, padding, dilation, bias, dtype)
+
+
+def _pixel(
+    xs: Sequence[Tensor],
+    kernel_size: Pair,
+    stride: Pair,
+    padding: Padding,
+    bias: bool,
+    dtype: torch.dtype,
+) -> Tensor:
+    n, c, h, w = xs[0].shape
+    kh, kw = kernel_size
+    kk, d, b = kh * kw, c * kh * kw, len(xs)
+    hp, wp, out_h, out_w, *_ = _pixel_plan(h, w, kernel_size, stride, padding)
+    device = xs[0].device
+    mask, first, second, shift = _device_tensors(h, w, kernel_size, stride, padding, device, dtype)
+    top, _, left, _ = padding
+    pixels = b * hp * wp
+    lo, hi = kw - 1, (kh - 1) * wp + kw - 1  # margins: every shifted view stays inside the buffer
+    buf = torch.zeros(lo + pixels + hi, c, n, dtype=dtype, device=device)
+    grid = buf[lo : lo + pixels].view(b, hp, wp, c, n)
+    dsts = [grid[i, top : top + h, left : left + w] for i in range(b)]
+    srcs = [x.detach().permute(2, 3, 1, 0) for x in xs]
+    try:
+        torch._foreach_copy_(dsts, srcs)
+    except RuntimeError:  # tensors without a multi-tensor kernel (e.g. functorch's under vmap)
+        for dst, src in zip(dsts, srcs):
+            dst.copy_(src)
+    a = buf[lo : lo + pixels]  # (pixels, C, N)
+    per_dy = []
+    for dy in range(kh):
+        shifts = kw if dy == 0 else 2 * kw - 1
+        begin = lo + (0 if dy == 0 else dy * wp - (kw - 1))
+        partners = buf.as_strided((pixels, shifts * c, n), (c * n, n, 1), begin * c * n)
+        prod = torch.bmm(a, partners.transpose(1, 2))  # (pixels, C, shifts·C)
+        win = torch.matmul(mask, prod.view(b, hp * wp, -1))  # (B, kk, C·shifts·C)
+        per_dy.append(win.view(b, kk, c, shifts, c).transpose(2, 3))
+    blocks = torch.cat(per_dy, dim=2)[:, first, shift]  # (B, pairs, C, C)
+    out = buf.new_empty(b, d + int(bias), d + int(bias))
+    view = out[:, :d, :d].view(b, c, kk, c, kk).permute(0, 2, 4, 1, 3)  # [b, k, k', c, c']
+    view[:, second, first] = blocks.transpose(-1, -2)
+    view[:, first, second] = blocks
+    if bias:
+        sums = torch.matmul(mask, a.sum(dim=2).view(b, hp * wp, c))  # (B, kk, C)
+        col = sums.transpose(1, 2).reshape(b, d)
+        out[:, :d, d] = col
+        out[:, d, :d] = col
+        out[:, d, d] = n * out_h * out_w
+    return out
+
+
+def _unfold(
+    xs: Sequence[Tensor],
+    kernel_size: Pair,
+    stride: Pair,
+    padding: Padding,
+    dilation: Pair,
+    bias: bool,
+    dtype: torch.dtype,
+) -> Tensor:
+    n, c, h, w = xs[0].shape
+    top, bottom, left, right = padding
+    b = len(xs)
+    x = torch.stack([x.detach() for x in xs]).to(dtype).view(b * n, c, h, w)
+    if (top, left) != (bottom, right):
+        x = F.pad(x, (left, right, top, bottom))
+        pad: Pair = (0, 0)
+    else:
+        pad = (top, left)
+    patches = F.unfold(x, kernel_size, dilation=dilation, padding=pad, stride=stride)  # (B·N, D, T)
+    dim, t = patches.shape[1], patches.shape[2]
+    rows = patches.view(b, n, dim, t).transpose(1, 2).reshape(b, dim, n * t)
+    if bias:
+        rows = torch.cat([rows, rows.new_ones(b, 1, n * t)], dim=1)
+    return torch.bmm(rows, rows.transpose(1, 2))
