@@ -375,11 +375,9 @@ class Capture:
         if not layer.group:
             return
         with self.timer(Stage.FACTOR, sync=False):
-            (a_sum, a_n), (g_sum, g_n) = fold(
-                self.scaling, layer.handler.spatial, layer.group, self.terms()
-            )
-            layer.a_batch.add(a_sum, a_n)
-            layer.g_batch.add(g_sum, g_n)
+            a, g = fold(self.scaling, layer.handler.spatial, layer.group, self.terms())
+            layer.a_batch.add(*a)
+            layer.g_batch.add(*g)
         layer.group.clear()
 
     def _loss_scale(self) -> torch.Tensor | float | None:

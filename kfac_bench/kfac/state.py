@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .assignment import LayerWork
-from .factors import normalise
+from .factors import normalise, normaliser
 from .layers import Gram, LayerHandler
 from .options import Factor, FactorScaling
 from .second_order import Parts, Result
@@ -19,13 +19,21 @@ from .second_order import Parts, Result
 
 @dataclass
 class Accumulator:
-    """The weighted sum of a factor's contributions since the last factor update, and its count."""
+    """The weighted sum of a factor's contributions since the last factor update (``weight · total``: a
+    lone contribution's weight is applied with the normalisation, not in an op of its own), and its count."""
 
     total: torch.Tensor | None = None
     count: int = 0
+    weight: float = 1.0
 
-    def add(self, weighted_sum: torch.Tensor, count: int) -> None:
-        self.total = weighted_sum if self.total is None else self.total.add_(weighted_sum)
+    def add(self, weighted_sum: torch.Tensor, count: int, weight: float = 1.0) -> None:
+        if self.total is None:
+            self.total, self.weight = weighted_sum, weight
+        else:
+            if self.weight != 1.0:
+                self.total.mul_(self.weight)
+                self.weight = 1.0
+            self.total.add_(weighted_sum, alpha=weight)
         self.count += count
 
     def pop(self, scaling: FactorScaling, is_g: bool) -> torch.Tensor | None:
@@ -33,8 +41,17 @@ class Accumulator:
         accumulated); resets the accumulator."""
         if self.total is None:
             return None
-        out = normalise(self.total, self.count, scaling, is_g)
-        self.total, self.count = None, 0
+        out = normalise(self.total, self.count, scaling, is_g, self.weight)
+        self.total, self.count, self.weight = None, 0, 1.0
+        return out
+
+    def pop_unscaled(self, scaling: FactorScaling, is_g: bool) -> tuple[torch.Tensor, float] | None:
+        """``(sum, scale)`` whose product is :meth:`pop`'s batch factor, left for the caller to apply (to
+        many factors in one op); resets the accumulator."""
+        if self.total is None:
+            return None
+        out = (self.total, self.weight * normaliser(self.count, scaling, is_g))
+        self.total, self.count, self.weight = None, 0, 1.0
         return out
 
 
@@ -83,8 +100,6 @@ class LayerState:
     ready: bool = False
     # Why the layer is not ready after a decomposition step: "did_not_run" or "decomposition_failed".
     not_ready_reason: str | None = None
-    # Device-side flag: a non-finite batch factor was skipped since the last check (no host sync to set).
-    nonfinite: torch.Tensor | None = None
     handles: list[RemovableHandle] = field(default_factory=list)
     # Whether an output gradient ever reached the layer's hooks (run-time coverage).
     received: bool = False

@@ -157,6 +157,29 @@ class WeightBiasHandler:
         """The inverse of :meth:`weight_matrix`: ``m`` in the shape of ``w``."""
         return m.reshape(w.shape)
 
+    def grad_blocks(
+        self, module: nn.Module, bias: bool, create: bool = False
+    ) -> list[tuple[torch.Tensor | None, int, int]] | None:
+        """The column blocks of the ``[W b]`` gradient matrix as tensors of the parameters' ``.grad`` (no
+        copy): ``(matrix, first column, end column)``, the matrix None for a bias without a gradient.
+        None when the weight has no gradient, or (``create``: for writing, a missing bias gradient is
+        made) when its matrix form is not a view of it (e.g. a channels_last kernel). Gathering and writing
+        many layers' gradients then takes one multi-tensor copy (:mod:`kfac_bench.kfac.gradients`)."""
+        w, b = self.parameters(module)
+        if w.grad is None:
+            return None
+        m = self.weight_matrix(w.grad)
+        if m.untyped_storage().data_ptr() != w.grad.untyped_storage().data_ptr():
+            return None
+        n_w = m.shape[1]
+        blocks: list[tuple[torch.Tensor | None, int, int]] = [(m, 0, n_w)]
+        if bias:
+            assert b is not None
+            if b.grad is None and create:
+                b.grad = torch.empty_like(b)
+            blocks.append((None if b.grad is None else b.grad.view(-1, 1), n_w, n_w + 1))
+        return blocks
+
     def grad(self, module: nn.Module, bias: bool) -> torch.Tensor | None:
         w, b = self.parameters(module)
         if w.grad is None:
