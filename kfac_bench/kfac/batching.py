@@ -98,6 +98,11 @@ class PendingGrams:
         for key, entry in list(self.keys.items()):
             self._compute(key, entry)
 
+    def held_bytes(self) -> int:
+        """Bytes of the inputs and output gradients held for calls whose gradient has arrived (before
+        it, the input is the one autograd holds for the layer's own backward)."""
+        return sum(entry.held_bytes for entry in self.keys.values())
+
     def clear(self) -> None:
         self.keys.clear()
 

@@ -42,9 +42,8 @@ class Gradients:
         self.comm = comm
         self.method = method
         self.timer = timer
-        # This step's groups: the layers of one shape, their stacked raw and preconditioned gradients.
+        # This step's groups: the layers of one shape (the same on every rank) and their stacked gradients.
         self._raw: list[tuple[list[str], torch.Tensor]] = []
-        self._done: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []
 
     # ------------------------------------------------------------------ stage 3: precondition
     def raw(self, skip: set[str]) -> dict[str, torch.Tensor]:
@@ -62,16 +61,10 @@ class Gradients:
                     continue
                 ref = next(m for m, _, _ in blocks if m is not None)
                 assert layer.work is not None
-                key = (
-                    ref.dtype,
-                    ref.device,
-                    layer.g_dim,
-                    layer.a_dim,
-                    self.comm.rank in layer.work.grad_workers,
-                )
+                key = (ref.dtype, ref.device, layer.g_dim, layer.a_dim)
                 pieces.setdefault(key, []).append((name, blocks))
             self._raw, dsts, srcs, out = [], [], [], {}
-            for (dtype, device, g_dim, a_dim, _), members in pieces.items():
+            for (dtype, device, g_dim, a_dim), members in pieces.items():
                 buf = torch.empty(len(members), g_dim, a_dim, dtype=dtype, device=device)
                 for i, (name, blocks) in enumerate(members):
                     for m, c0, c1 in blocks:
@@ -91,29 +84,24 @@ class Gradients:
         stacked = getattr(self.method, "precondition_stacked", None)
         with self.timer(Stage.PRECONDITION):
             grads: dict[str, torch.Tensor] = {}
-            self._done = []
             for names, buf in self._raw:
-                names = [n for n in names if n in raw]
                 layers = [self.layers[n] for n in names]
-                if not layers:
-                    continue
-                work = layers[0].work
-                assert work is not None
-                if self.comm.rank not in work.grad_workers:
-                    for n in names:  # receive buffers for the broadcast
-                        grads[n] = torch.empty_like(raw[n])
-                elif stacked is not None and len(names) == buf.shape[0]:
+                workers = [self.comm.rank in m.work.grad_workers for m in layers]  # type: ignore[union-attr]
+                if stacked is not None and all(workers):
                     parts = {
                         p: {k: stack([m.parts[p][k] for m in layers]) for k in layers[0].parts[p]}
                         for p in layers[0].parts
                     }
                     result = stacked(buf, parts, damping)
-                    self._done.append((names, result, buf))
-                    for i, n in enumerate(names):
-                        grads[n] = result[i]
-                else:
-                    for n, m in zip(names, layers):
+                    grads.update((n, result[i]) for i, n in enumerate(names))
+                    continue
+                receive = torch.empty_like(buf) if not all(workers) else None
+                for i, (n, m, mine) in enumerate(zip(names, layers, workers)):
+                    if mine:
                         grads[n] = self.method.precondition(raw[n], m.parts, damping)
+                    else:  # a receive buffer for the broadcast
+                        assert receive is not None
+                        grads[n] = receive[i]
         with self.timer(Stage.GRAD_BROADCAST):
             works = []
             for name, g in grads.items():
@@ -135,8 +123,8 @@ class Gradients:
     ) -> None:
         """Scale by the KL-clip factor ν (TPDS eq. 16) and write the gradients back into ``.grad``."""
         with self.timer(Stage.KL_CLIP):
-            nu = _kl_clip_scale(grads, raw, self._done, kl_clip, lr, step)
-            self._done = []
+            nu = _kl_clip_scale(grads, self._raw, kl_clip, lr, step)
+            self._raw = []  # the stacks live only through the step
             dsts: list[torch.Tensor] = []
             srcs: list[torch.Tensor] = []
             for name, pg in grads.items():
@@ -189,21 +177,19 @@ def _blocks(layer: LayerState) -> list[tuple[torch.Tensor | None, int, int]] | N
 
 def _kl_clip_scale(
     grads: dict[str, torch.Tensor],
-    raw: dict[str, torch.Tensor],
-    stacks: list[tuple[list[str], torch.Tensor, torch.Tensor]],
+    groups: list[tuple[list[str], torch.Tensor]],
     kl_clip: Scheduled[float] | None,
     lr: Scheduled[float],
     step: int,
 ) -> torch.Tensor | None:
-    """ν = min(1, sqrt(κ / |Σ_layers lr²·⟨∇̃W, ∇W⟩|)) as a device scalar: no host synchronisation. The
-    layers preconditioned as a stack contribute one inner product per stack."""
+    """ν = min(1, sqrt(κ / |Σ_layers lr²·⟨∇̃W, ∇W⟩|)) as a device scalar: no host synchronisation. One
+    inner product per group of same-shaped layers (the stacks of the raw and preconditioned gradients),
+    grouped alike on every rank, so every rank computes the same ν."""
     if kl_clip is None or not grads:
         return None
     kappa = resolve(kl_clip, step)
     rate = resolve(lr, step)
-    inner = [_inner(pg, r) for _, pg, r in stacks]
-    covered = {name for names, _, _ in stacks for name in names}
-    inner += [_inner(pg, raw[name]) for name, pg in grads.items() if name not in covered]
+    inner = [_inner(stack([grads[n] for n in names]), raw) for names, raw in groups]
     vg = torch.stack(inner).sum() * rate**2
     # |vg| = 0 gives sqrt(inf) -> clamped to 1: no scaling, as the reference does.
     return torch.sqrt(kappa / vg.abs()).clamp(max=1.0)

@@ -12,8 +12,8 @@ one convolution geometry, returned stacked ``(B, D', D')``. Two exact kernels, c
   flat pixel offset. For one kernel-row offset ``dy``, the partners of all column offsets ``dx`` of a pixel
   are consecutive pixels, so their ``(C, N)`` slices form one ``(n·C, N)`` matrix: one ``bmm`` over all
   pixels of all calls gives every ``(pixel, dx)`` product for that ``dy`` (``kh`` GEMMs in all, reading
-  strided views of the buffer, no copy). The windows are then one matrix product with a 0/1 window mask
-  ``(kh·kw, pixels)`` per ``dy``, exact (no subtraction of boundary bands), and two indexed writes place
+  strided views of the buffer, no copy). The windows are then a sum pooling of the window's size per
+  ``dy`` (exact: no subtraction of boundary bands), and two indexed writes place
   every block and its mirror image. Strides are windows with gaps (the same kernel, used by the tests on
   strided geometries); the CPU takes it for stride and dilation 1.
 * ``'unfold'``: im2col of all calls' examples at once and one batched GEMM (``bmm``) of the patches,
@@ -74,28 +74,6 @@ def _pixel_plan(
     return hp, wp, out_h, out_w, windows, first, second, shift, starts
 
 
-@functools.lru_cache(maxsize=256)
-def _device_tensors(
-    h: int,
-    w: int,
-    kernel_size: Pair,
-    stride: Pair,
-    padding: Padding,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The window mask ``(kh·kw, Hp·Wp)`` in ``dtype`` and the pair index tensors, made once per device."""
-    hp, wp, _, _, windows, first, second, shift, _ = _pixel_plan(h, w, kernel_size, stride, padding)
-    mask = torch.zeros(len(windows), hp * wp, dtype=dtype)
-    for k, pixels in enumerate(windows):
-        mask[k, pixels] = 1.0
-
-    def index(values: list[int]) -> Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    return mask.to(device), index(first), index(second), index(shift)
-
-
 def conv2d_a_factors(
     xs: Sequence[Tensor],
     kernel_size: Pair,
@@ -125,7 +103,9 @@ def _pixel(
     kk, d, b = kh * kw, c * kh * kw, len(xs)
     hp, wp, out_h, out_w, *_ = _pixel_plan(h, w, kernel_size, stride, padding)
     device = xs[0].device
-    mask, first, second, shift = _device_tensors(h, w, kernel_size, stride, padding, device, dtype)
+    _, _, _, _, _, *pairs, _ = _pixel_plan(h, w, kernel_size, stride, padding)
+    # Made per call, not cached: a cache would keep device tensors alive beyond what memory_usage counts.
+    first, second, shift = (torch.tensor(v, dtype=torch.long, device=device) for v in pairs)
     top, _, left, _ = padding
     pixels = b * hp * wp
     lo, hi = kw - 1, (kh - 1) * wp + kw - 1  # margins: every shifted view stays inside the buffer
@@ -145,7 +125,7 @@ def _pixel(
         begin = lo + (0 if dy == 0 else dy * wp - (kw - 1))
         partners = buf.as_strided((pixels, shifts * c, n), (c * n, n, 1), begin * c * n)
         prod = torch.bmm(a, partners.transpose(1, 2))  # (pixels, C, shifts·C)
-        win = torch.matmul(mask, prod.view(b, hp * wp, -1))  # (B, kk, C·shifts·C)
+        win = _window_sums(prod.view(b, hp, wp, -1), (kh, kw), stride, (out_h, out_w))
         per_dy.append(win.view(b, kk, c, shifts, c).transpose(2, 3))
     blocks = torch.cat(per_dy, dim=2)[:, first, shift]  # (B, pairs, C, C)
     out = buf.new_empty(b, d + int(bias), d + int(bias))
@@ -153,12 +133,35 @@ def _pixel(
     view[:, second, first] = blocks.transpose(-1, -2)
     view[:, first, second] = blocks
     if bias:
-        sums = torch.matmul(mask, a.sum(dim=2).view(b, hp * wp, c))  # (B, kk, C)
+        sums = _window_sums(a.sum(dim=2).view(b, hp, wp, c), (kh, kw), stride, (out_h, out_w))
         col = sums.transpose(1, 2).reshape(b, d)
         out[:, :d, d] = col
         out[:, d, :d] = col
         out[:, d, d] = n * out_h * out_w
     return out
+
+
+def _window_sums(grid: Tensor, kernel_size: Pair, stride: Pair, out: Pair) -> Tensor:
+    """``Σ`` over each kernel position's window of ``grid`` ``(B, Hp, Wp, F)``: ``(B, kh·kw, F)``. Window
+    ``(i, j)`` is the pixels ``(i + u·sh, j + v·sw)``, ``u < out_h``, ``v < out_w``: with stride 1, a sum
+    pooling of the window's size (``avg_pool2d`` without its division), evaluated at the ``kh × kw``
+    positions; with a stride, a strided slice summed per kernel position."""
+    b, f = grid.shape[0], grid.shape[-1]
+    (kh, kw), (out_h, out_w) = kernel_size, out
+    if tuple(stride) == (1, 1):
+        pooled = F.avg_pool2d(grid.permute(0, 3, 1, 2), (out_h, out_w), 1, divisor_override=1)
+        return pooled[:, :, :kh, :kw].reshape(b, f, kh * kw).transpose(1, 2)
+    sh, sw = stride
+    return torch.stack(
+        [
+            grid[:, i : i + sh * (out_h - 1) + 1 : sh, j : j + sw * (out_w - 1) + 1 : sw].sum(
+                dim=(1, 2)
+            )
+            for i in range(kh)
+            for j in range(kw)
+        ],
+        dim=1,
+    )
 
 
 def _unfold(
