@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from benchmarks import ops
 from benchmarks.training_step import classification
+from kfac_bench.kfac import KFACPreconditioner
 
 
 def _tiny() -> nn.Module:
@@ -44,3 +46,33 @@ def test_measure_splits_the_kfac_arm_by_stage() -> None:
         assert ours["rows"][row] > 0, row
     assert ours["extra"] == ours["total"] - sgd["total"] > 0
     assert "extra over SGD" in ops.table(r)
+
+
+def _kfac_ops_per_step(layers: int, conv: bool) -> dict[str, int]:
+    """Compute ops of one K-FAC step (factors and a decomposition) by stage, for a model of ``layers``
+    same-shaped layers (3x3 convolutions or Linear layers) and a head of another shape."""
+    torch.manual_seed(0)
+    if conv:
+        body = [m for _ in range(layers) for m in (nn.Conv2d(4, 4, 3, padding=1), nn.ReLU())]
+        model = nn.Sequential(*body, nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+        x = torch.randn(5, 4, 6, 6)
+    else:
+        body = [m for _ in range(layers) for m in (nn.Linear(8, 8), nn.Tanh())]
+        model = nn.Sequential(*body, nn.Linear(8, 3))
+        x = torch.randn(5, 8)
+    precond = KFACPreconditioner(model, lr=0.1)
+    for _ in range(2):  # the first step allocates the running factors
+        model.zero_grad()
+        with torch.profiler.profile() as prof:
+            model(x).square().sum().backward()
+            with torch.profiler.record_function("kfac::step()"):
+                precond.step()
+    rows, _ = ops.count_ops(list(prof.events()))
+    return {k: v for k, v in rows.items() if k != "model + SGD"}
+
+
+@pytest.mark.parametrize("conv", [False, True])
+def test_kfac_ops_do_not_grow_with_same_shaped_layers(conv: bool) -> None:
+    few, many = _kfac_ops_per_step(2, conv), _kfac_ops_per_step(6, conv)
+    assert sum(few.values()) > 0
+    assert many == few
