@@ -21,26 +21,34 @@ __all__ = ["fold_running", "stack"]
 
 
 def stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack(tensors)``; the tensor they are consecutive views of (``base[0]``, ``base[1]``, …),
-    without a copy, when they are."""
+    """``torch.stack(tensors)``; without a copy when they are consecutive views of one tensor's leading
+    dimension (``base[i]``, ``base[i + 1]``, …: a slice of it is returned), or just one tensor."""
     first = tensors[0]
+    if len(tensors) == 1:
+        return first.unsqueeze(0)
     base = first._base
     if (
         base is not None
         and base.dim() == first.dim() + 1
-        and base.shape[0] == len(tensors)
         and base.shape[1:] == first.shape
         and base.stride()[1:] == first.stride()
+        and base.stride(0) > 0
     ):
-        step, origin = base.stride(0), base.storage_offset()
-        if all(
-            t._base is base
-            and t.storage_offset() == origin + i * step
-            and t.shape == first.shape
-            and t.stride() == first.stride()
-            for i, t in enumerate(tensors)
+        step = base.stride(0)
+        start, rem = divmod(first.storage_offset() - base.storage_offset(), step)
+        if (
+            rem == 0
+            and 0 <= start
+            and start + len(tensors) <= base.shape[0]
+            and all(
+                t._base is base
+                and t.storage_offset() == first.storage_offset() + i * step
+                and t.shape == first.shape
+                and t.stride() == first.stride()
+                for i, t in enumerate(tensors)
+            )
         ):
-            return base
+            return base.narrow(0, start, len(tensors))
     return torch.stack(list(tensors))
 
 
