@@ -38,7 +38,7 @@ def stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         start, rem = divmod(first.storage_offset() - base.storage_offset(), step)
         if (
             rem == 0
-            and 0 <= start
+            and start >= 0
             and start + len(tensors) <= base.shape[0]
             and all(
                 t._base is base

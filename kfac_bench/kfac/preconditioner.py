@@ -382,7 +382,9 @@ class KFACPreconditioner:
           ``buffers`` is the buckets alone. Broadcasts receive into the decompositions and gradients.
         """
         handed, comm = self.curvature.reduction_bytes()
-        return memory_by_category(self.layers.values(), handed + self.capture.batch.held_bytes(), comm)
+        return memory_by_category(
+            self.layers.values(), handed + self.capture.batch.held_bytes(), comm
+        )
 
     def coverage(self) -> Coverage:
         """Which share of the model K-FAC preconditions and what it left out, by reason

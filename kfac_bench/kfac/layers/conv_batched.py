@@ -32,8 +32,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .conv_shift import Padding, Pair
+from .conv_unfold import conv2d_a_factor
 
-__all__ = ["batched_method", "conv2d_a_factors"]
+__all__ = ["MAX_TRANSIENT_BYTES", "batched_method", "conv2d_a_factors"]
+
+#: Bytes of transient tensors one batch of calls may take (products or patches); see conv2d_a_factors.
+MAX_TRANSIENT_BYTES = 1 << 28
 
 
 def batched_method(device_type: str, stride: Pair, dilation: Pair) -> str:
@@ -84,10 +88,36 @@ def conv2d_a_factors(
     dtype: torch.dtype,
 ) -> Tensor:
     """Input factors of ``xs`` (``B`` inputs ``(N, C, H, W)`` of one shape), stacked ``(B, D', D')`` in
-    ``dtype``, by :func:`batched_method` for the inputs' device (contract in the module docstring)."""
-    if batched_method(xs[0].device.type, stride, dilation) == "pixel":
-        return _pixel(xs, tuple(kernel_size), tuple(stride), tuple(padding), bias, dtype)
-    return _unfold(xs, kernel_size, stride, padding, dilation, bias, dtype)
+    ``dtype``, by :func:`batched_method` for the inputs' device (contract in the module docstring).
+
+    The calls go in chunks whose transient tensors (the pixel kernel's products, ``C·(2kw-1)·C`` per
+    padded pixel; unfold's patches, ``kh·kw`` times the input) stay within :data:`MAX_TRANSIENT_BYTES`; a
+    call that alone would exceed it takes the per-call kernel of :func:`~.conv_unfold.conv2d_a_factor`
+    (the shift method or chunked unfold, bounded by a few times its input)."""
+    n, c, h, w = xs[0].shape
+    kh, kw = kernel_size
+    top, bottom, left, right = padding
+    size = torch.empty((), dtype=dtype).element_size()
+    method = batched_method(xs[0].device.type, stride, dilation)
+    if method == "pixel":
+        per_call = (h + top + bottom) * (w + left + right) * c * (2 * kw - 1) * c * size
+    else:
+        per_call = kh * kw * n * c * h * w * size
+    if per_call > MAX_TRANSIENT_BYTES:
+        return torch.stack(
+            [conv2d_a_factor(x.to(dtype), kernel_size, stride, padding, dilation, bias) for x in xs]
+        )
+    chunk = max(1, MAX_TRANSIENT_BYTES // per_call)
+    parts = []
+    for i in range(0, len(xs), chunk):
+        part = xs[i : i + chunk]
+        if method == "pixel":
+            parts.append(
+                _pixel(part, tuple(kernel_size), tuple(stride), tuple(padding), bias, dtype)
+            )
+        else:
+            parts.append(_unfold(part, kernel_size, stride, padding, dilation, bias, dtype))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _pixel(
