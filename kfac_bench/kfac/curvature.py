@@ -258,12 +258,13 @@ class Curvature:
                     (k, tuple(v.shape), v.dtype, v.device) for r in (a, g) for k, v in r.items()
                 )
                 groups.setdefault(key, []).append(layer)
+        assert stacked is not None or not groups
         for members in groups.values():
             parts = [
                 {k: stack([m.parts[kind][k] for m in members]) for k in members[0].parts[kind]}
                 for kind in (Factor.A, Factor.G)
             ]
-            derived = stacked(parts[0], parts[1], damping)
+            derived = stacked(parts[0], parts[1], damping)  # type: ignore[misc]
             for i, m in enumerate(members):
                 m.parts.update({p: {k: v[i] for k, v in r.items()} for p, r in derived.items()})
 

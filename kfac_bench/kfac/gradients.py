@@ -51,7 +51,8 @@ class Gradients:
         layers whose ``requires_grad`` changed, stay plain), as views of one stack per shape group."""
         with self.timer(Stage.PRECONDITION):
             pieces: dict[
-                tuple[object, ...], list[tuple[str, list[tuple[torch.Tensor | None, int, int]]]]
+                tuple[torch.dtype, torch.device, int, int],
+                list[tuple[str, list[tuple[torch.Tensor | None, int, int]]]],
             ] = {}
             for name, layer in self.layers.items():
                 if not layer.ready or name in skip or layer.left_out is not None:

@@ -35,7 +35,7 @@ def stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         and base.stride(0) > 0
     ):
         step = base.stride(0)
-        start, rem = divmod(first.storage_offset() - base.storage_offset(), step)
+        start, rem = divmod(int(first.storage_offset() - base.storage_offset()), int(step))
         if (
             rem == 0
             and start >= 0

@@ -112,9 +112,7 @@ def conv2d_a_factors(
     for i in range(0, len(xs), chunk):
         part = xs[i : i + chunk]
         if method == "pixel":
-            parts.append(
-                _pixel(part, tuple(kernel_size), tuple(stride), tuple(padding), bias, dtype)
-            )
+            parts.append(_pixel(part, kernel_size, stride, padding, bias, dtype))
         else:
             parts.append(_unfold(part, kernel_size, stride, padding, dilation, bias, dtype))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
