@@ -179,7 +179,10 @@ class Capture:
             if task == -1:
                 self._count_rows(layer, x, recorded=True)
             pos = self._position_rows(layer, output)
-            key = self.batch.key(layer, x) if rows is None and pos is None else None
+            # Under saved-tensor hooks (activation checkpointing, offloading) autograd does not keep the
+            # input: holding it for a batch would undo the memory they save, so the call goes alone.
+            batched = rows is None and pos is None and not _saved_tensor_hooks()
+            key = self.batch.key(layer, x) if batched else None
             if key is not None:  # computed with the key's other calls (:mod:`.batching`)
                 call = Call(None, key=key)
                 self.batch.record(key, layer, call, x)
@@ -426,6 +429,14 @@ def _recomputing_nonreentrant() -> bool:
     return bool(getattr(pack, "_checkpoint_internal", False)) or "_recomputation_hook" in getattr(
         pack, "__qualname__", ""
     )
+
+
+def _saved_tensor_hooks() -> bool:
+    """Whether saved-tensor hooks are active (``torch.utils.checkpoint`` without reentrancy, offloading)."""
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    except (AttributeError, TypeError, RuntimeError):  # pragma: no cover - other torch versions
+        return False
 
 
 def _layer_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
