@@ -331,8 +331,7 @@ class Capture:
         self._held_layers[layer.name] -= 1
         if not self._held_layers[layer.name]:
             del self._held_layers[layer.name]
-        with _named(layer, "A and G"):
-            self._receive(layer, a, g, scale)
+        self._receive(layer, a, g, scale)
         self._settle(layer)
 
     def _count_rows(self, layer: LayerState, x: torch.Tensor, recorded: bool) -> None:
