@@ -40,6 +40,7 @@ from torch.autograd.profiler_util import FunctionEvent
 
 from benchmarks.kfac_pytorch_reference import out_of_place, reference_factory
 from benchmarks.training_step import Arm, Setup, Workload, kfac_arguments
+from kfac_bench.kfac.layers import conv_batched
 
 #: Report rows: the engine's stages grouped as the table shows them.
 STAGE_ROWS = {
@@ -232,9 +233,43 @@ def measure(
     setup: Setup | None = None,
     reference: Callable[[nn.Module, dict[str, Any], Any], Any] | None = None,
     variant: dict[str, Any] | None = None,
+    rules: str | None = None,
 ) -> dict[str, Any]:
     """Mean compute ops per step of each arm (``sgd``, ``ours``, ``reference``) by report row and by op name,
-    their extra over SGD, and with CUDA the kernels and their device time."""
+    their extra over SGD, and with CUDA the kernels and their device time. ``rules``: count our engine
+    with the kernel choices of that device type (:data:`kfac_bench.kfac.layers.conv_batched.RULES`)
+    while running here, e.g. ``'cuda'`` on the CPU: the ops a GPU would launch."""
+    with _rules_of(rules, setup.device_type if setup else "cpu"):
+        return _measure(w, factor_steps, inv_steps, steps, warmup, setup, reference, variant, rules)
+
+
+@contextlib.contextmanager
+def _rules_of(device_type: str | None, here: str) -> Iterator[None]:
+    """Our engine's per-device kernel choice of ``device_type`` on device type ``here`` for a while."""
+    if device_type is None:
+        yield
+        return
+    rules = conv_batched.RULES
+    saved = dict(rules)
+    rules[here] = rules.get(device_type, "unfold")
+    try:
+        yield
+    finally:
+        rules.clear()
+        rules.update(saved)
+
+
+def _measure(
+    w: Workload,
+    factor_steps: int,
+    inv_steps: int,
+    steps: int,
+    warmup: int,
+    setup: Setup | None,
+    reference: Callable[[nn.Module, dict[str, Any], Any], Any] | None,
+    variant: dict[str, Any] | None,
+    rules: str | None,
+) -> dict[str, Any]:
     setup = setup or Setup()
     torch.manual_seed(0)
     base = w.build()
@@ -257,6 +292,7 @@ def measure(
     g = torch.Generator().manual_seed(1)
     batches = [setup.to_device(w.batch(g)) for _ in range(warmup + steps)]
     out: dict[str, Any] = {
+        "rules": rules or setup.device_type,
         "workload": w.name,
         "steps": steps,
         "cadence": f"{factor_steps}/{inv_steps}",
@@ -306,7 +342,7 @@ def table(r: dict[str, Any], top: int = 8) -> str:
     arms = list(r["arms"])
     lines = [
         f"{r['workload']}: compute ops per step (mean of {r['steps']} steps, cadence {r['cadence']}, "
-        f"{r['layers']} K-FAC layers)"
+        f"{r['layers']} K-FAC layers, our kernel choices of {r.get('rules', 'this device')})"
     ]
     head = f"  {'ops per step':<18}" + "".join(f"{a:>12}" for a in arms)
     lines += [head, "  " + "-" * (len(head) - 2)]
@@ -351,6 +387,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cadence", default="1/10", help="factor/decomposition intervals")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--rules",
+        help="count our engine with this device type's kernel choices (e.g. cuda on the CPU)",
+    )
     ap.add_argument("--reference", metavar="PATH", help="kfac-pytorch source root: add its arm")
     ap.add_argument("--json", help="write the results here as JSON")
     return ap
@@ -374,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
             warmup=args.warmup,
             setup=Setup(device=args.device),
             reference=reference,
+            rules=args.rules,
         )
         rows.append(r)
         print(table(r) + "\n", flush=True)

@@ -437,6 +437,11 @@ def parser() -> argparse.ArgumentParser:
         default=True,
         help="also count compute ops per step by stage (benchmarks/ops.py; --quick: 2 steps)",
     )
+    ap.add_argument(
+        "--op-rules",
+        default="cuda",
+        help="count the ops with this device type's kernel choices (default cuda: what a GPU launches)",
+    )
     return ap
 
 
@@ -475,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                     warmup=1 if args.quick else 3,
                     reference=reference,
                     variant=parse_variant(args.variants[0]),
+                    rules=args.op_rules,
                 )
             )
             print(ops.table(op_rows[-1]) + "\n", flush=True)

@@ -9,6 +9,7 @@ from torch import nn
 from benchmarks import ops
 from benchmarks.training_step import classification
 from kfac_bench.kfac import KFACPreconditioner
+from kfac_bench.kfac.layers import conv_batched
 
 
 def _tiny() -> nn.Module:
@@ -71,8 +72,21 @@ def _kfac_ops_per_step(layers: int, conv: bool) -> dict[str, int]:
     return {k: v for k, v in rows.items() if k != "model + SGD"}
 
 
-@pytest.mark.parametrize("conv", [False, True])
-def test_kfac_ops_do_not_grow_with_same_shaped_layers(conv: bool) -> None:
+@pytest.mark.parametrize(("conv", "kernel"), [(False, None), (True, "unfold"), (True, "pixel")])
+def test_kfac_ops_do_not_grow_with_same_shaped_layers(
+    conv: bool, kernel: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a batched conv kernel (the CPU's own is per call: fastest there), a step's K-FAC ops are a
+    constant per group of same-shaped layers."""
+    if kernel is not None:
+        monkeypatch.setitem(conv_batched.RULES, "cpu", kernel)
     few, many = _kfac_ops_per_step(2, conv), _kfac_ops_per_step(6, conv)
     assert sum(few.values()) > 0
     assert many == few
+
+
+def test_counting_with_another_devices_kernel_choices_restores_the_rules() -> None:
+    torch.manual_seed(0)
+    w = classification("tiny", _tiny, (8, 3, 8, 8), 5)
+    r = ops.measure(w, factor_steps=1, inv_steps=2, steps=1, warmup=1, rules="cuda")
+    assert r["rules"] == "cuda" and conv_batched.RULES == {"cpu": "per_call"}

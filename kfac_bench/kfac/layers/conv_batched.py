@@ -2,24 +2,28 @@
 
 Same contract as :func:`~.conv_unfold.conv2d_a_factor` (``S = Σ_n Σ_t p pᵀ`` of each call, ``D = C·kh·kw``
 (+1 with ``bias``), rows in the order of ``weight.reshape(out, -1)``), for ``B`` inputs of one shape and
-one convolution geometry, returned stacked ``(B, D', D')``. Two exact kernels, chosen per device type
-(:func:`batched_method`):
+one convolution geometry, returned stacked ``(B, D', D')``. Three exact kernels, chosen per device type
+(:data:`RULES`, :func:`batched_method`):
 
-* ``'pixel'`` (the CPU's): the shift method (:mod:`.conv_shift`) reorganised so that every shift of every
-  call is one batched GEMM. The inputs are zero-padded into one buffer laid out ``(call, pixel, C, N)``: a
-  pixel's ``(C, N)`` slice is a matrix, and block ``(k, k')`` of ``A`` is ``Σ_p X[p] X[p + δ]ᵀ`` over the
-  pixels ``p`` that kernel position ``k`` reads (its *window*), ``δ = (i'-i)·Wp + (j'-j)`` the partner's
-  flat pixel offset. For one kernel-row offset ``dy``, the partners of all column offsets ``dx`` of a pixel
-  are consecutive pixels, so their ``(C, N)`` slices form one ``(n·C, N)`` matrix: one ``bmm`` over all
-  pixels of all calls gives every ``(pixel, dx)`` product for that ``dy`` (``kh`` GEMMs in all, reading
-  strided views of the buffer, no copy). The windows are then a sum pooling of the window's size per
-  ``dy`` (exact: no subtraction of boundary bands), and two indexed writes place
-  every block and its mirror image. Strides are windows with gaps (the same kernel, used by the tests on
-  strided geometries); the CPU takes it for stride and dilation 1.
-* ``'unfold'``: im2col of all calls' examples at once and one batched GEMM (``bmm``) of the patches,
-  ``kh·kw`` times the input in memory: strided convolutions on the CPU, and every convolution on other
-  device types, where one large GEMM runs near peak and each extra launch costs more than the FLOPs it
-  saves (unmeasured there: ``python -m benchmarks.conv_factor`` times the kernels on a device).
+* ``'per_call'`` (the CPU's): each call's factor by the per-call kernels of :mod:`.conv_unfold` (the shift
+  method or chunked unfold, by the CPU cost model), stacked: the fastest on the CPU, a few dozen ops per
+  call.
+* ``'pixel'``: the shift method (:mod:`.conv_shift`) reorganised so that every shift of every call is one
+  batched GEMM. The inputs are zero-padded into one buffer laid out ``(call, pixel, C, N)``: a pixel's
+  ``(C, N)`` slice is a matrix, and block ``(k, k')`` of ``A`` is ``Σ_p X[p] X[p + δ]ᵀ`` over the pixels
+  ``p`` that kernel position ``k`` reads (its *window*), ``δ = (i'-i)·Wp + (j'-j)`` the partner's flat
+  pixel offset. For one kernel-row offset ``dy``, the partners of all column offsets ``dx`` of a pixel are
+  consecutive pixels, so their ``(C, N)`` slices form one ``(n·C, N)`` matrix: one ``bmm`` over all pixels
+  of all calls gives every ``(pixel, dx)`` product for that ``dy`` (``kh`` GEMMs in all, reading strided
+  views of the buffer, no copy). The windows are then a sum pooling of the window's size per ``dy``
+  (exact: no subtraction of boundary bands), and two indexed writes place every block and its mirror
+  image: about a dozen ops per group. Stride and dilation 1 (the kernel itself also handles strides, as
+  windows with gaps; its tests use them). No device takes it by default yet: it does the shift method's
+  FLOPs plus a transposing copy, which made it slower than ``'per_call'`` on the CPU; a GPU, where it
+  replaces dozens of launches per layer, is where it should be measured.
+* ``'unfold'`` (every other device type, until measured): im2col of all calls' examples at once and one
+  batched GEMM (``bmm``) of the patches, ``kh·kw`` times the input in memory: one large GEMM runs near a
+  GPU's peak, and each extra launch costs more than the FLOPs it saves.
 """
 
 from __future__ import annotations
@@ -40,13 +44,21 @@ __all__ = ["MAX_TRANSIENT_BYTES", "batched_method", "conv2d_a_factors"]
 MAX_TRANSIENT_BYTES = 1 << 28
 
 
+#: Device type -> kernel for a group's conv input factors (``'per_call'``, ``'pixel'``, ``'unfold'``);
+#: device types not listed take ``'unfold'``. The CPU keeps the per-call kernels: at 2 threads on the
+#: development machine (calm) the pixel kernel took 178, 112 and 117 ms for ResNet-32's three stride-1
+#: groups (batch 128) against 98, 75 and 71 ms call by call with the shift method: the same FLOPs, plus
+#: the transposing copy into its layout.
+RULES: dict[str, str] = {"cpu": "per_call"}
+
+
 def batched_method(device_type: str, stride: Pair, dilation: Pair) -> str:
-    """``'pixel'`` on the CPU for stride and dilation 1, ``'unfold'`` otherwise (module docstring). With a
-    stride the pixel kernel would compute the products of every pixel for windows that read a quarter of
-    them (stride 2): unfold was faster there (ResNet-32's two stride-2 layers, 2 threads)."""
-    if device_type == "cpu" and tuple(stride) == (1, 1) and tuple(dilation) == (1, 1):
-        return "pixel"
-    return "unfold"
+    """The kernel for a group of calls on ``device_type`` (:data:`RULES`; the pixel kernel needs stride
+    and dilation 1, else ``'unfold'``)."""
+    method = RULES.get(device_type, "unfold")
+    if method == "pixel" and (tuple(stride) != (1, 1) or tuple(dilation) != (1, 1)):
+        return "unfold"
+    return method
 
 
 @functools.lru_cache(maxsize=256)
@@ -99,6 +111,10 @@ def conv2d_a_factors(
     top, bottom, left, right = padding
     size = torch.empty((), dtype=dtype).element_size()
     method = batched_method(xs[0].device.type, stride, dilation)
+    if method == "per_call":
+        return torch.stack(
+            [conv2d_a_factor(x.to(dtype), kernel_size, stride, padding, dilation, bias) for x in xs]
+        )
     if method == "pixel":
         per_call = (h + top + bottom) * (w + left + right) * c * (2 * kw - 1) * c * size
     else:
