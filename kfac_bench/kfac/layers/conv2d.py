@@ -91,10 +91,16 @@ class Conv2dHandler(WeightBiasHandler):
         self, modules: Sequence[nn.Module], gs: Sequence[torch.Tensor], dtype: torch.dtype
     ) -> list[Gram]:
         n, c, h, w = gs[0].shape
-        # One multi-tensor copy into (B, C, N, H, W): each call's rows as one (C, N·T) matrix; one bmm.
-        rows = stacked([g.transpose(0, 1) for g in gs], dtype).view(len(gs), c, n * h * w)
-        grams = torch.bmm(rows, rows.transpose(1, 2))
-        return [Gram(grams[i], n, h * w) for i in range(len(gs))]
+        b = len(gs)
+        if h * w >= _BMM_POSITIONS_PER_CHANNEL * c:
+            # As g_gram: per-example (C, T) products summed, on one stacked copy of the gradients.
+            rows = stacked(list(gs), dtype).view(b * n, c, h * w)
+            grams = torch.bmm(rows, rows.transpose(1, 2)).view(b, n, c, c).sum(dim=1)
+        else:
+            # One multi-tensor copy into (B, C, N, H, W): each call's rows as one (C, N·T) matrix.
+            rows = stacked([g.transpose(0, 1) for g in gs], dtype).view(b, c, n * h * w)
+            grams = torch.bmm(rows, rows.transpose(1, 2))
+        return [Gram(grams[i], n, h * w) for i in range(b)]
 
     def a_gram_rows(
         self, module: nn.Module, x: torch.Tensor, dtype: torch.dtype, bias: bool, rows: torch.Tensor
