@@ -71,3 +71,16 @@ def test_checkpointed_forwards_hold_no_input() -> None:
     out.sum().backward()
     p.step()
     assert all(s.ready for s in p.layers.values())
+
+
+@pytest.mark.parametrize("shape", [(3, 2, 8, 8), (3, 4, 2, 2)])  # many / few positions per channel
+def test_conv_output_grams_together_equal_each_calls(shape: tuple[int, ...]) -> None:
+    from kfac_bench.kfac.layers.conv2d import Conv2dHandler
+
+    handler, conv = Conv2dHandler(), nn.Conv2d(2, shape[1], 3)
+    gs = [torch.randn(*shape, dtype=torch.float64) for _ in range(3)]
+    together = handler.g_grams([conv] * 3, gs, torch.float64)
+    for got, g in zip(together, gs):
+        want = handler.g_gram(conv, g, torch.float64)
+        torch.testing.assert_close(got.sum, want.sum, rtol=1e-12, atol=1e-12)
+        assert (got.examples, got.positions) == (want.examples, want.positions)
