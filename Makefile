@@ -20,7 +20,7 @@ WARM := torch._dynamo kfac_bench.cli kfac_bench.train.run kfac_bench.models.bert
 # Files go out in collection order, the end-to-end ones first (tests/conftest.py), not xdist's most-tests-first.
 PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
-MYPY   := $(BIN)/mypy kfac_bench/kfac
+MYPY   := $(BIN)/mypy kfac_bench
 
 .DEFAULT_GOAL := help
 .PHONY: help setup train test test-fast test-slow test-slurm ruff lint format bench gpu-check clean

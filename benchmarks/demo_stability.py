@@ -4,8 +4,8 @@ Run ``python -m benchmarks.demo_stability`` (10 demos; ``--runs N``, and any ``k
 after ``--``, e.g. ``-- --seeds 0 1 2 3 4``). Each demo is a fresh ``kfac-bench demo`` process with its own
 folder under ``--out`` (default: a temporary folder, removed at the end unless ``--keep``). It prints each
 demo's verdict line and its wall time, then how many demos made the most common claim about the clock: the
-claim is the phrase among ``no clear difference``, ``slower``, ``faster`` and ``a tie`` (``--claims``
-changes the list) that ends in "on the clock" in the verdict. Also printed:
+claim is the ``claim`` column of the demo's ``compare.csv`` (``faster``, ``slower`` or ``none``: what the
+time-to-target interval supports), read as data, never parsed out of the verdict's words. Also printed:
 the machine's load average before and after, since a loaded machine widens every interval.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import csv
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -23,18 +23,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-DEFAULT_CLAIMS = ("no clear difference", "slower", "faster", "a tie")
 
-
-def claim_of(verdict: str, claims: Sequence[str] = DEFAULT_CLAIMS) -> str:
-    """The clock claim of a verdict line: the last of ``claims`` before "on the clock" (compare words it
-    "K-FAC faster on the clock", "no clear difference on the clock"; the epochs' claim comes after), else
-    "?"."""
-    before, said, _ = verdict.lower().partition("on the clock")
-    if not said:
+def claim_of(compare_csv: Path) -> str:
+    """The clock claim of a two-arm comparison: the ``claim`` column of the arm's row (the row after the
+    baseline's) in ``compare_csv``; "?" when the file or the row is missing."""
+    try:
+        with compare_csv.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+    except OSError:
         return "?"
-    hits = [(m.start(), c) for c in claims for m in re.finditer(rf"\b{re.escape(c)}\b", before)]
-    return max(hits)[1] if hits else "?"
+    return rows[1].get("claim") or "?" if len(rows) > 1 else "?"
 
 
 def verdict_of(stdout: str) -> str:
@@ -64,7 +62,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=10, help="demos in a row (default 10)")
     parser.add_argument("--out", help="folder for the demos' folders (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the demos' folders")
-    parser.add_argument("--claims", nargs="+", default=list(DEFAULT_CLAIMS), help="claim phrases")
     ns = parser.parse_args(own)
     root = Path(ns.out) if ns.out else Path(tempfile.mkdtemp(prefix="demo_stability_"))
     root.mkdir(parents=True, exist_ok=True)
@@ -73,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for i in range(ns.runs):
             verdict, seconds, code = _demo(root / f"demo{i}", extra)
-            claim = claim_of(verdict, ns.claims) if code == 0 else f"failed ({code})"
+            claim = claim_of(root / f"demo{i}" / "compare.csv") if code == 0 else f"failed ({code})"
             claims.append(claim)
             print(f"demo {i + 1}/{ns.runs} ({seconds:.0f} s): [{claim}] {verdict}", flush=True)
     finally:

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from kfac_bench.commands import COMMANDS, load
-from kfac_bench.errors import ConfigError, UserError
+from kfac_bench.errors import ConfigError, UserError, visible
 
 __all__ = ["main", "usage"]
 
@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         status: int = load(command).main(rest)
         return status
     except UserError as exc:
-        print(f"kfac-bench: error: {exc}", file=sys.stderr, flush=True)
+        print(f"kfac-bench: error: {visible(str(exc))}", file=sys.stderr, flush=True)
         return exc.exit_code
     except KeyboardInterrupt:  # a second Ctrl-C (the first stops a run cleanly: train.signals)
         print("kfac-bench: interrupted", file=sys.stderr, flush=True)

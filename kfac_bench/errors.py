@@ -26,3 +26,12 @@ class DatasetError(UserError):
             msg += f". {how_to_get}"
         super().__init__(msg)
         self.path = path
+
+
+def visible(text: str) -> str:
+    """``text`` with every character that is not printable (newlines, ANSI escapes, BEL, other control and
+    format characters) written as its Python escape (``\\x1b``), so a name read from a file or a path can
+    neither drive the terminal nor break a line of a report or an error."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

@@ -23,7 +23,7 @@ ROOT = Path(kfac_bench.__file__).resolve().parent
 LAYER = {
     "kfac": 0,
     "errors": 0,
-    "consensus": 0,  # from_main: a value as rank 0 has it (torch.distributed only)
+    "rank_zero": 0,  # from_main: a value as rank 0 has it (torch.distributed only)
     "safe_files": 0,  # writing inside a run directory without following links (standard library only)
     "config": 1,
     "data": 1,

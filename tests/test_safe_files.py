@@ -167,7 +167,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(
     path = tmp_path / "config.yaml"
     path.write_bytes(b"old\n")
 
-    def no_space(*args: Any) -> None:
+    def no_space(*args: Any, **kwargs: Any) -> None:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", no_space)

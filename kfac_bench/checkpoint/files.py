@@ -17,19 +17,24 @@ fsynced; its manifest is written (the same way), then the file is renamed into p
 checkpoints beyond the newest K deleted, so a failed write (disk full, read-only folder) leaves every earlier
 checkpoint intact. A ``step-*.pt`` without a manifest is therefore not the run's own: it is never loaded,
 overwritten or deleted, and the run stops with one line saying how to move it. A folder that is a link is
-refused (pruning would delete files elsewhere). A folder from before manifests (a lone ``last.pt``) is read
-as one unverified checkpoint.
+refused (pruning would delete files elsewhere), and a save opens the folder once
+(:class:`kfac_bench.safe_files.Folder`, ``O_NOFOLLOW|O_DIRECTORY``) and does every step through that
+descriptor, so a folder swapped for a link mid-save is never followed. A folder from before manifests (a
+lone ``last.pt``) is read as one unverified checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fnmatch
 import hashlib
 import io
 import json
 import os
 import re
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,14 +82,26 @@ class Candidate:
         return self.path.with_suffix(".json")
 
 
-def _read_manifest(path: Path) -> dict[str, Any] | None:
-    """The manifest at ``path``, or None if it is unreadable or not one this module writes (a field of
-    the wrong type, a non-integer ``seq``, another file's name, absurd nesting)."""
+@contextlib.contextmanager
+def _opened(folder: Path | safe_files.Folder) -> Iterator[safe_files.Folder]:
+    """``folder`` as an open :class:`~kfac_bench.safe_files.Folder` (a path is opened, never through a
+    link, and closed after)."""
+    if isinstance(folder, safe_files.Folder):
+        yield folder
+    else:
+        with safe_files.Folder.open(folder) as opened:
+            yield opened
+
+
+def _read_manifest(d: safe_files.Folder, name: str) -> dict[str, Any] | None:
+    """The manifest ``name`` of ``d``, or None if it is unreadable or not one this module writes (a link,
+    a field of the wrong type, a non-integer ``seq``, another file's name, absurd nesting)."""
     try:
-        if path.is_symlink() or path.stat().st_size > _MAX_MANIFEST:
+        raw = d.read_bytes(name, _MAX_MANIFEST + 1)
+        if len(raw) > _MAX_MANIFEST:
             return None
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, ValueError, RecursionError):
+        data = json.loads(raw.decode("utf-8"))
+    except (OSError, UserError, ValueError, RecursionError):
         return None
     if not isinstance(data, dict):
         return None
@@ -94,25 +111,31 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
     digest = data.get("sha256")
     if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
         return None
-    return data if data.get("file") == path.with_suffix(".pt").name else None
+    return data if data.get("file") == name[: -len(".json")] + ".pt" else None
 
 
-def candidates(folder: Path) -> tuple[list[Candidate], list[Path]]:
+def candidates(folder: Path | safe_files.Folder) -> tuple[list[Candidate], list[Path]]:
     """(checkpoints with a manifest, newest first; manifests that cannot be read).
 
     Without any manifest, a regular ``last.pt`` is the one (legacy, unverified) candidate.
+
+    Raises:
+        LinkRefused: ``folder`` (a path) is a link.
     """
-    found, unreadable = [], []
-    for manifest_path in sorted(Path(folder).glob("step-*.json")):
-        manifest = _read_manifest(manifest_path)
-        if manifest is None:
-            unreadable.append(manifest_path)
-            continue
-        found.append(Candidate(manifest_path.with_suffix(".pt"), manifest, int(manifest["seq"])))
-    found.sort(key=lambda c: c.seq, reverse=True)
-    last = Path(folder) / LAST
-    if not found and not unreadable and last.is_file() and not last.is_symlink():
-        found.append(Candidate(last, None, 0))
+    found: list[Candidate] = []
+    unreadable: list[Path] = []
+    if not isinstance(folder, safe_files.Folder) and not os.path.lexists(folder):
+        return found, unreadable
+    with _opened(folder) as d:
+        for name in fnmatch.filter(d.names(), "step-*.json"):
+            manifest = _read_manifest(d, name)
+            if manifest is None:
+                unreadable.append(d / name)
+                continue
+            found.append(Candidate((d / name).with_suffix(".pt"), manifest, int(manifest["seq"])))
+        found.sort(key=lambda c: c.seq, reverse=True)
+        if not found and not unreadable and d.is_file(LAST):
+            found.append(Candidate(d / LAST, None, 0))
     return found, unreadable
 
 
@@ -189,20 +212,21 @@ def quarantine(rejected: list[tuple[Candidate, str]]) -> list[Path]:
     """Rename rejected checkpoints and manifests to ``*.corrupt`` (kept for inspection, never loaded)."""
     moved = []
     for candidate, _ in rejected:
-        for path in (candidate.path, candidate.manifest_path):
-            if path.name != LAST and path.exists():
-                target = path.with_name(path.name + ".corrupt")
-                os.replace(path, target)
-                moved.append(target)
+        with _opened(candidate.path.parent) as d:
+            for name in (candidate.path.name, candidate.manifest_path.name):
+                if name != LAST and d.lstat(name) is not None:
+                    d.rename(name, name + ".corrupt")
+                    moved.append(d / (name + ".corrupt"))
     return moved
 
 
-def remove_orphans(folder: Path) -> list[Path]:
+def remove_orphans(folder: Path | safe_files.Folder) -> list[Path]:
     """Delete temporary files a killed writer left behind (``.*.tmp``); only the run's owner calls it."""
     removed = []
-    for path in Path(folder).glob(".*.tmp"):
-        path.unlink(missing_ok=True)
-        removed.append(path)
+    with _opened(folder) as d:
+        for name in fnmatch.filter(d.names(), ".*.tmp"):
+            d.unlink(name)
+            removed.append(d / name)
     return removed
 
 
@@ -228,39 +252,26 @@ class _HashingWriter(io.RawIOBase):
         return written
 
 
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on a directory
-    finally:
-        os.close(fd)
-
-
-def _point_last(folder: Path, target: Path) -> None:
+def _point_last(d: safe_files.Folder, target: str) -> None:
     """Make ``last.pt`` the file ``target`` (hard link; a relative symlink where links are refused), under a
     temporary name no one can predict, renamed into place."""
-    tmp = folder / f".{LAST}.{secrets.token_hex(8)}.tmp"
+    tmp = f".{LAST}.{secrets.token_hex(8)}.tmp"
     try:
-        os.link(target, tmp)
+        d.link(target, tmp)
     except OSError:
-        os.symlink(target.name, tmp)
-    os.replace(tmp, folder / LAST)
+        d.symlink(target, tmp)
+    d.rename(tmp, LAST)
 
 
-def unclaimed(folder: Path) -> list[Path]:
+def unclaimed(folder: Path | safe_files.Folder) -> list[Path]:
     """``step-*.pt`` files of ``folder`` without a manifest: this module writes a manifest before the file,
     so these are not the run's own (copied in, or another program's); they are never overwritten, deleted
     or loaded."""
-    return sorted(
-        p
-        for p in Path(folder).glob("step-*.pt")
-        if _STEP_FILE.match(p.name) and not os.path.lexists(p.with_suffix(".json"))
-    )
+    with _opened(folder) as d:
+        names = d.names()
+        return [
+            d / n for n in names if _STEP_FILE.match(n) and n[: -len(".pt")] + ".json" not in names
+        ]
 
 
 def unclaimed_error(path: Path) -> UserError:
@@ -279,19 +290,20 @@ def check_folder(folder: Path) -> None:
     Raises:
         UserError: one line naming the path.
     """
-    safe_files.check_not_link(folder)
-    if Path(folder).is_dir():
-        strangers = unclaimed(folder)
+    if not os.path.lexists(folder):
+        return
+    with safe_files.Folder.open(folder) as d:
+        strangers = unclaimed(d)
         if strangers:
             raise unclaimed_error(strangers[0])
 
 
-def _prune(folder: Path, keep: int) -> None:
+def _prune(d: safe_files.Folder, keep: int) -> None:
     """Delete the checkpoints beyond the newest ``keep``: only files with a manifest (the run's own)."""
-    found, _ = candidates(folder)
+    found, _ = candidates(d)
     for candidate in [c for c in found if c.manifest is not None][keep:]:
-        candidate.path.unlink(missing_ok=True)
-        candidate.manifest_path.unlink(missing_ok=True)
+        d.unlink(candidate.path.name)
+        d.unlink(candidate.manifest_path.name)
 
 
 def write_checkpoint(folder: Path, payload: dict[str, Any], step: int, keep: int) -> Path:
@@ -307,61 +319,69 @@ def write_checkpoint(folder: Path, payload: dict[str, Any], step: int, keep: int
     """
     folder = Path(folder)
     path = folder / f"step-{step:08d}.pt"
-    manifest_path = path.with_suffix(".json")
-    tmp: Path | None = None
+    try:
+        # Opened once, O_NOFOLLOW: every step below names a file inside this folder, even if its path is
+        # swapped for a link meanwhile (the save then lands in the folder that was opened).
+        d = safe_files.Folder.open(folder, create=True)
+    except OSError as exc:
+        raise _write_error(path, exc) from None
+    with d:
+        _write(d, payload, step, path)
+        _prune(d, keep)
+    return path
+
+
+def _write(d: safe_files.Folder, payload: dict[str, Any], step: int, path: Path) -> None:
+    name, manifest_name = path.name, path.with_suffix(".json").name
+    tmp: str | None = None
     manifest_written = False
     writer: _HashingWriter | None = None
     try:
-        safe_files.ensure_dir(folder)
-        remove_orphans(folder)
-        if os.path.lexists(path) and not os.path.lexists(manifest_path):
+        remove_orphans(d)
+        if d.lstat(name) is not None and d.lstat(manifest_name) is None:
             raise unclaimed_error(path)
-        found, _ = candidates(folder)
+        found, _ = candidates(d)
         seq = max((c.seq for c in found), default=0) + 1
-        fd, tmp = safe_files.temp_file(folder, path.name)
+        fd, tmp = d.temp(name)
         with os.fdopen(fd, "wb") as f:
-            writer = _HashingWriter(f)  # type: ignore[arg-type]
+            writer = _HashingWriter(f)
             torch.save(payload, writer)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
         manifest = {
-            "file": path.name,
+            "file": name,
             "step": step,
             "seq": seq,
             "bytes": writer.size,
             "sha256": writer.digest.hexdigest(),
         }
-        safe_files.write_atomic(
-            manifest_path, json.dumps(manifest, sort_keys=True) + "\n", fsync=True
-        )
+        d.write(manifest_name, json.dumps(manifest, sort_keys=True) + "\n", fsync=True)
         manifest_written = True
-        os.replace(tmp, path)
+        d.rename(tmp, name)
         tmp = None
-        _point_last(folder, path)
-        _fsync_dir(folder)
+        _point_last(d, name)
+        d.fsync()
     except OSError as exc:
-        _undo(manifest_written, manifest_path, path)
+        _undo(d, manifest_written, manifest_name, name)
         raise _write_error(path, exc) from None
     except UserError:
         raise
     except Exception:
-        _undo(manifest_written, manifest_path, path)
+        _undo(d, manifest_written, manifest_name, name)
         if writer is not None and writer.error is not None:
             raise _write_error(path, writer.error) from None
         raise
     finally:
         if tmp is not None:
-            tmp.unlink(missing_ok=True)
-    _prune(folder, keep)
-    return path
+            d.unlink(tmp)
 
 
-def _undo(manifest_written: bool, manifest_path: Path, path: Path) -> None:
+def _undo(d: safe_files.Folder, manifest_written: bool, manifest_name: str, name: str) -> None:
     """A save failed after its manifest was written but before its file was in place: the manifest goes
     too. (Where an earlier save of the same step is still in place, its manifest was replaced: a resume
     rejects that file and falls back to the checkpoint before it.)"""
-    if manifest_written and not path.exists():
-        manifest_path.unlink(missing_ok=True)
+    if manifest_written and d.lstat(name) is None:
+        d.unlink(manifest_name)
 
 
 def _write_error(path: Path, exc: OSError) -> UserError:

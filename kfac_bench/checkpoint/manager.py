@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from kfac_bench import safe_files
 from kfac_bench.checkpoint import files, torchfile
-from kfac_bench.consensus import from_main
 from kfac_bench.errors import ConfigError, UserError
+from kfac_bench.rank_zero import from_main
 
 __all__ = [
     "CHECKPOINT_DIR",
@@ -331,7 +331,7 @@ class PreconditionerState:
         self.precond = precond
 
     def state_dict(self) -> dict[str, Any]:
-        return self.precond.state_dict(include_decompositions=True)  # type: ignore[no-any-return]
+        return self.precond.state_dict(include_decompositions=True)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.precond.load_state_dict(state_dict)

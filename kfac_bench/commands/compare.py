@@ -65,7 +65,7 @@ def main(args: Sequence[str]) -> int:
     if ns.chain or not ns.runs:
         return _compare_chains(ns)
     if ns.out is not None:
-        output_dir(ns.out)  # a bad --out stops before the runs are read
+        output_dir(ns.out).close()  # a bad --out (a file, not empty) stops before the runs are read
     runs = find_runs(ns.runs, by_campaign=ns.by_campaign)
     out = Path(ns.out) if ns.out is not None else default_out(ns.runs)
     print(write_outputs(runs, out, ns.format, ns.baseline), end="")
@@ -86,7 +86,8 @@ def _compare_chains(ns: argparse.Namespace) -> int:
     if ns.out is None:  # a new folder, made once the chains are read
         out = default_out([p for spec in ns.chain for p in parse_chain(spec)[1]], "chains")
     else:
-        out = output_dir(ns.out)
+        out = Path(ns.out)
+        output_dir(out).close()  # a bad --out stops before the chains are read
     chains = compare_chains(ns.chain, out)
     print(render_chains(chains, ns.format), end="")
     print(f"wrote {out / 'chains.md'}, {out / 'chains.csv'}")

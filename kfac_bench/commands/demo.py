@@ -16,7 +16,10 @@ import argparse
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kfac_bench.safe_files import Folder
 
 __all__ = ["ARMS", "SUMMARY", "main"]
 
@@ -104,25 +107,30 @@ def _train(overrides: list[str], run_dir: Path) -> int:
     return int(train(_compose(overrides), run_dir))
 
 
-def _out_dir(given: str | None) -> Path:
-    from kfac_bench.config.resolvers import unique_suffix
-    from kfac_bench.errors import UserError
+def _out_path(given: str | None) -> Path:
+    """The demo's folder: ``--out``, else a new one under ``runs/``."""
+    from kfac_bench.safe_files import new_folder_name
 
-    if given is None:
-        return Path("runs") / f"demo_{time.strftime('%Y-%m-%d_%H-%M-%S')}_{unique_suffix()}"
-    out = Path(given)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(
-            f"--out {out} is not empty; choose a new folder (the demo's runs start afresh)"
-        )
-    return out
+    return Path(given) if given is not None else Path("runs") / new_folder_name("demo")
 
 
 def main(args: Sequence[str]) -> int:
     """``kfac-bench demo ARGS``; returns the exit status (the first failed run's)."""
+    from kfac_bench.safe_files import output_folder
+
     ns = _parse(args)
-    out = _out_dir(ns.out)
-    runs = _configs(ns, out)
+    out = _out_path(ns.out)
+    named, what = f"--out {out}", "the demo's runs and comparison"
+    if out.exists():  # an earlier result (or a file) refused first: it is there already
+        output_folder(out, named, what).close()
+    runs = _configs(ns, out)  # every run's config checked before the folder is made
+    # New or empty (the one output-folder rule), else refused before any work.
+    with output_folder(out, named, what) as folder:
+        return _demo(ns, folder, runs)
+
+
+def _demo(ns: argparse.Namespace, folder: Folder, runs: list[tuple[str, int, list[str]]]) -> int:
+    out = folder.path
     from kfac_bench.compare.report import find_runs, write_outputs
 
     started = time.perf_counter()
@@ -134,7 +142,7 @@ def main(args: Sequence[str]) -> int:
     dirs = [out / f"{arm}_seed{seed}" for arm, seed, _ in runs]
     print()
     print(_per_seed(ns.seeds, out), end="")
-    print(write_outputs(find_runs(dirs), out), end="")
+    print(write_outputs(find_runs(dirs), folder), end="")
     print(
         f"kfac-bench demo: {len(dirs)} runs in {trained:.0f} s "
         f"({'two arms at a time' if ns.jobs == 2 else 'alternating'}); results in {out}"

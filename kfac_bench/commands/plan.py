@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,6 +43,13 @@ plan keys:
                                       profiles/paper_v100_resnet50.yaml or make gpu-check's): time to solution
   plan.baseline=RECIPE                the baseline arm's recipe (default: <recipe>_<optimizer>)
   plan.dataset_size=N                 training examples, where the dataset's config does not state them
+  plan.kfac_epochs=N                  the K-FAC arm's epochs (default: its recipe's train.epochs)
+  plan.kfac_max_steps=N               the K-FAC arm's step budget (default: its recipe's train.max_steps)
+  plan.baseline_epochs=N              the baseline arm's epochs (default: its recipe's)
+  plan.baseline_max_steps=N           the baseline arm's step budget (default: its recipe's)
+Each arm keeps its own length: train.epochs / train.max_steps on this command line are refused (they would
+change both arms); plan.memory_budget_gb counts K-FAC's memory only (factors, decompositions, buffers).
+plan.out must be a new or empty folder (a plan never overwrites an earlier one).
   plan.bandwidth_gb_s=12.5            network bandwidth per GPU (default: the profile's, else 12.5)
   plan.latency_us=6.6                 network latency per ring step (default: the profile's, else 6.6)
 """
@@ -74,6 +80,10 @@ def writable_folder(out: Path) -> None:
         )
 
 
+#: Command-line keys that would set both arms' length at once.
+BOTH_ARMS = ("train.epochs", "train.max_steps")
+
+
 def main(args: Sequence[str]) -> int:
     """``kfac-bench plan ARGS``: prints the tables, writes ``plan.json``, ``plan.png`` and, with a profile,
     ``time_to_solution.png``."""
@@ -87,11 +97,23 @@ def main(args: Sequence[str]) -> int:
     flags = [a for a in rest if a.startswith("-")]
     if flags:
         raise ConfigError(f"kfac-bench plan takes key=value overrides only, not {flags[0]}")
+    both = [a for a in rest if a.lstrip("+~").split("=", 1)[0] in BOTH_ARMS]
+    if both:
+        key = both[0].lstrip("+~").split("=", 1)[0]
+        which = key.removeprefix("train.")
+        raise ConfigError(
+            f"{key} on the plan's command line would change both arms' length: give "
+            f"plan.kfac_{which}=N and/or plan.baseline_{which}=N"
+        )
     cfg = parse_plan_config(plan_args)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out_parent = Path(cfg.out) if cfg.out is not None else Path("runs", "plan")
-    writable_folder(out_parent)  # before the seconds of work a plan takes
+    from kfac_bench.safe_files import new_folder_name, output_folder
 
+    if cfg.out is not None:  # before the seconds of work a plan takes: new or empty, else refused
+        output_folder(cfg.out, f"plan.out={cfg.out}", "the plan's files").close()
+    else:
+        writable_folder(Path("runs", "plan"))
+
+    from kfac_bench.plan.length import load_baseline, with_length
     from kfac_bench.plan.plot import plot_plan, plot_time_to_solution
     from kfac_bench.plan.recipe import load_recipe
     from kfac_bench.plan.report import build_plan, grad_worker_counts, render
@@ -100,10 +122,11 @@ def main(args: Sequence[str]) -> int:
         DEFAULT_BANDWIDTH_GB_S,
         DEFAULT_LATENCY_US,
         Network,
+        model_name,
         project,
-        render_time_to_solution,
     )
     from kfac_bench.plan.timing import NOMINAL_V100
+    from kfac_bench.plan.tts_render import render_time_to_solution
 
     for n in cfg.world_sizes:  # bad fractions fail before the model is built
         grad_worker_counts(n, cfg.fractions)
@@ -112,12 +135,12 @@ def main(args: Sequence[str]) -> int:
         cfg, profile, DEFAULT_BANDWIDTH_GB_S, DEFAULT_LATENCY_US
     )
     planned = load_recipe(rest, cfg.dataset_size)
+    assert planned.length is not None
+    kfac_arm = with_length(planned.length, cfg.kfac_epochs, cfg.kfac_max_steps)
     baseline = None
     if profile is not None:
-        from kfac_bench.plan.length import load_baseline
-
-        assert planned.length is not None
         baseline = load_baseline(rest, planned.length, cfg.baseline, cfg.dataset_size)
+        baseline = with_length(baseline, cfg.baseline_epochs, cfg.baseline_max_steps)
     rates = NOMINAL_V100.with_bandwidth(bandwidth * 1e9)
     if cfg.profile:
         from kfac_bench.plan.profile import profile_rates
@@ -125,11 +148,10 @@ def main(args: Sequence[str]) -> int:
         dims = [d for s in planned.layers for d in (s.a_dim, s.g_dim)]
         rates = profile_rates(dims, planned.settings, cfg.profile_seconds, bandwidth * 1e9)
     plan = build_plan(planned, cfg, rates)
-    if profile is not None and baseline is not None and planned.length is not None:
+    plan["model"] = model_name(planned)
+    if profile is not None and baseline is not None:
         network = Network(bandwidth * 1e9, latency * 1e-6, net_source)
-        entries, info = project(
-            planned, planned.length, baseline, profile, network, cfg.world_sizes
-        )
+        entries, info = project(planned, kfac_arm, baseline, profile, network, cfg.world_sizes)
         plan["time_to_solution"], plan["time_to_solution_model"] = entries, info
     else:
         plan["time_to_solution"] = []
@@ -137,14 +159,17 @@ def main(args: Sequence[str]) -> int:
             "reason": "no measured baseline step: give plan.profile_file=PROFILE.yaml (make gpu-check "
             "writes one on a GPU; profiles/ has the paper's)"
         }
-    from kfac_bench.safe_files import output_folder
-
-    out = out_parent if cfg.out is not None else out_parent / f"{planned.recipe}_{stamp}"
-    out = output_folder(out, f"plan.out={out}", "the plan's files")
-    (out / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")
-    written = [out / "plan.json", plot_plan(plan, out / "plan.png")]
-    if plan["time_to_solution"]:
-        written.append(plot_time_to_solution(plan, out / "time_to_solution.png"))
+    default = Path("runs", "plan", new_folder_name(planned.recipe))
+    out = Path(cfg.out) if cfg.out is not None else default
+    with output_folder(out, f"plan.out={out}", "the plan's files") as folder:
+        written = [
+            folder.write("plan.json", json.dumps(plan, indent=1) + "\n"),
+            folder.replace("plan.png", lambda f: plot_plan(plan, f)),
+        ]
+        if plan["time_to_solution"]:
+            written.append(
+                folder.replace("time_to_solution.png", lambda f: plot_time_to_solution(plan, f))
+            )
     print(render(plan), end="")
     print()
     print(render_time_to_solution(plan), end="")

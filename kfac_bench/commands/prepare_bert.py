@@ -84,7 +84,21 @@ def main(args: Sequence[str]) -> int:
         ns = _parse(args)
     except SystemExit:  # --help was printed
         return 0
-    from kfac_bench.data.bert_prepare import prepare_shards
+    from kfac_bench.data.bert_prepare import is_own_output, prepare_shards
+    from kfac_bench.safe_files import output_folder
+
+    # The one output-folder rule (new or empty), checked before the corpus is read; --overwrite lets the
+    # folder hold an earlier preparation, which is replaced.
+    output_folder(
+        ns.output_dir,
+        f"--output-dir {ns.output_dir}",
+        "the shards",
+        replaceable=is_own_output if ns.overwrite else None,
+        fix="pass --overwrite to replace an earlier preparation (shards, heldout/, vocab.txt), or name "
+        "a new or empty folder"
+        if not ns.overwrite
+        else "name a new or empty folder",
+    ).close()
 
     result = prepare_shards(
         ns.input,

@@ -1,38 +1,62 @@
 """``kfac-bench tune``: tune both arms of a recipe on one budget and write the tuned pair as recipes.
 
 Per arm (the first-order baseline ``NAME_sgd`` / ``NAME_lamb`` and the K-FAC recipe ``NAME``): a grid of
-learning rates (K-FAC: x its damping) x seeds, run as a Hydra sweep (``kfac-bench train -m``, the basic
-sweeper) in this process, every run stopping at its target (``train.stop_at_target``) within the same
-budget of epochs. A grid point's objective is the median over seeds of the *censored* time to target: a
-run that reached the target counts its time to target, one that missed counts its whole training time (it
-took at least that long), a diverged run counts as never. Each arm's best point becomes a recipe in the
-config dir the user names, ``NAME_tuned.yaml`` and ``NAME_sgd_tuned.yaml``: ``defaults: [NAME]`` plus the
-tuned values and a ``tuning`` record whose source names the tune's command and folder, so that ``compare``
-can tell a tuned baseline from one that is not. Every run records the tune's folder as its campaign.
+learning rates (K-FAC: x its damping) x seeds, every run stopping at its target (``train.stop_at_target``)
+within the same budget of epochs. tune runs the jobs itself, one ``kfac-bench train`` run each in this
+process, the two arms' jobs interleaved in time (seed by seed, spread evenly over the run) so that a change
+of the machine's load falls on both arms alike. Each job has its own run directory under the tune's folder
+(``ARM/lr<LR>[_damping<D>]_seed<S>``), so a tune started again on the same folder (after a kill or a
+SIGTERM: the current job checkpoints, no other starts, exit 75) continues from its finished runs and resumes
+the interrupted one; ``tune.json`` records the grid and a different one is refused there.
+
+Each arm's points are ranked by :mod:`kfac_bench.commands.tuning.rank`: seeds reaching the target, then the
+median epochs to target, the clock only as a tie-break where its interval separates. The winners become
+recipes in the config dir the user names, ``NAME_tuned.yaml`` and ``NAME_sgd_tuned.yaml``: ``defaults:
+[NAME]``, the values the winning runs ran where they differ from the recipe, and a ``tuning`` record holding
+exactly those runs' ``optimizer``/``lr_schedule`` (and ``kfac``) values and a source naming the tune. The
+pair is written as a unit, both or neither, under a lock that refuses a second tune into the same config
+dir; an arm none of whose points reached the target gets no recipe (one line naming what to widen, exit 1).
+Every file goes through :mod:`kfac_bench.safe_files` (no link followed, atomic replace). Every run records
+the tune's folder as its campaign.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import io
+import json
 import math
+import os
 import shlex
-import statistics
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SUMMARY", "Point", "censored_time", "main", "score"]
+from kfac_bench.commands.tuning import files as tune_files
+from kfac_bench.commands.tuning.rank import (
+    Point,
+    Ranking,
+    censored_time,
+    plot_png,
+    points_of,
+    rank,
+    table,
+)
+
+__all__ = ["EXIT_NOT_REACHED", "SUMMARY", "Point", "censored_time", "main", "score"]
 
 SUMMARY = """\
   tune      tune each arm's LR (K-FAC: and damping) on one budget; write the tuned recipe pair
             kfac-bench tune +recipe=NAME [--lrs ..] [--dampings ..] [--seeds 0 1 2] [--epochs N]
-            [--out DIR] [--out-config DIR] [key=value ...]"""
+            [--out DIR] [--out-config DIR] [--config-dir DIR ...] [key=value ...]"""
 
 #: First-order siblings of a K-FAC recipe, in the order they are looked for.
 _BASELINE_SUFFIXES = ("_sgd", "_lamb")
+#: Exit status when an arm has no point that reached the target: no tuned recipe was written.
+EXIT_NOT_REACHED = 1
 
 
 @dataclass(frozen=True)
@@ -41,52 +65,15 @@ class Arm:
     recipe: str
     kfac: bool
 
-
-@dataclass
-class Point:
-    """One grid point of one arm: its runs' outcomes over seeds."""
-
-    arm: str
-    lr: float
-    damping: float | None
-    times: list[float] = field(default_factory=list)  # censored time to target per seed
-    epochs: list[float] = field(
-        default_factory=list
-    )  # epochs to target of the seeds that reached it
-    seeds: list[int] = field(default_factory=list)
-    reached: int = 0
-
     @property
-    def objective(self) -> float:
-        """Median censored time to target over seeds (inf: no run, or most diverged)."""
-        return statistics.median(self.times) if self.times else math.inf
-
-
-def censored_time(summary: dict[str, Any]) -> float:
-    """A run's time to target, censored: reached -> its time to target; missed -> its whole training
-    (wall) time, a lower bound; diverged -> inf (never)."""
-    if summary.get("reached_target"):
-        return float(summary["time_to_target_s"])
-    if summary.get("status") == "diverged":
-        return math.inf
-    return float(summary["wall_time_s"])
+    def sections(self) -> tuple[str, ...]:
+        """The config sections a tuning of this arm fixes (what its tuning record holds)."""
+        return ("optimizer", "lr_schedule", "kfac") if self.kfac else ("optimizer", "lr_schedule")
 
 
 def score(summaries: Sequence[dict[str, Any]], arm: str) -> list[Point]:
-    """The grid points of ``arm``'s run summaries, best first (lowest objective, then more seeds
-    reaching the target, then the lower LR)."""
-    points: dict[tuple[float, float | None], Point] = {}
-    for s in summaries:
-        config = s["config"]
-        lr = float(config["optimizer"]["lr"])
-        damping = float(config["kfac"]["damping"]) if s.get("kfac_enabled") else None
-        p = points.setdefault((lr, damping), Point(arm, lr, damping))
-        p.times.append(censored_time(s))
-        p.seeds.append(int(config["train"]["seed"]))
-        if s.get("reached_target"):
-            p.reached += 1
-            p.epochs.append(float(s["epochs_to_target"]))
-    return sorted(points.values(), key=lambda p: (p.objective, -p.reached, p.lr))
+    """The grid points of ``arm``'s run summaries, best first (:func:`.tuning.rank.rank`)."""
+    return rank(points_of(summaries, arm)).points
 
 
 def _parse(args: Sequence[str]) -> argparse.Namespace:
@@ -121,12 +108,23 @@ def _parse(args: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--out",
-        help="the tune's folder: sweeps, tune.md/.csv/.png (default: runs/tune_<time>_<uid>)",
+        help="the tune's folder: runs, tune.md/.csv/.png; started again on the same folder, a tune "
+        "continues (default: runs/tune_<time>_<uid>)",
     )
     parser.add_argument(
         "--out-config",
         metavar="DIR",
-        help="config dir for the tuned recipes, written to DIR/recipe/ (default: OUT/config)",
+        help="config dir for the tuned recipes, written to DIR/recipe/ (default: the --config-dir holding "
+        "the recipe, else OUT/config)",
+    )
+    parser.add_argument(
+        "--config-dir",
+        "-cd",
+        dest="config_dirs",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a config dir of your own recipes, models, datasets (DIR/recipe/NAME.yaml; repeatable)",
     )
     parser.add_argument(
         "overrides",
@@ -137,6 +135,18 @@ def _parse(args: Sequence[str]) -> argparse.Namespace:
     ns = parser.parse_intermixed_args(list(args))
     if ns.epochs is not None and ns.epochs < 1:
         parser.error(f"--epochs {ns.epochs}: must be >= 1")
+    for flag, values in (("--lrs", ns.lrs), ("--dampings", ns.dampings)):
+        if values and not all(math.isfinite(v) and v > 0 for v in values):
+            parser.error(f"{flag}: every value must be a positive number")
+    twice = sorted({s for s in ns.seeds if ns.seeds.count(s) > 1})
+    if twice:
+        # A seed run twice is one sample counted twice: it would narrow nothing and pair twice.
+        print(
+            f"kfac-bench tune: seed(s) {' '.join(map(str, twice))} given twice, run once",
+            flush=True,
+        )
+        ns.seeds = list(dict.fromkeys(ns.seeds))
+    ns.config_dirs = [str(Path(d).resolve()) for d in ns.config_dirs]
     return ns
 
 
@@ -149,19 +159,32 @@ def _recipe(overrides: list[str]) -> tuple[str, list[str]]:
     return names[0], [o for o in overrides if not o.lstrip("+").startswith("recipe=")]
 
 
+def _recipe_home(name: str, config_dirs: Sequence[str]) -> str | None:
+    """The user's config dir that holds recipe ``name`` (the last given wins, as on Hydra's search
+    path), or None: a recipe of the package."""
+    homes = [d for d in config_dirs if (Path(d) / "recipe" / f"{name}.yaml").is_file()]
+    return homes[-1] if homes else None
+
+
+def _recipe_known(name: str, config_dirs: Sequence[str]) -> bool:
+    from kfac_bench.config.store import recipe_names
+
+    return name in recipe_names() or _recipe_home(name, config_dirs) is not None
+
+
 def _arms(
-    name: str, baseline: str | None, overrides: list[str]
+    name: str, baseline: str | None, overrides: list[str], config_dirs: Sequence[str] = ()
 ) -> tuple[list[Arm], dict[str, Any]]:
-    """The two arms, baseline first, and each arm's composed config.
+    """The two arms, baseline first, and each arm's composed config (the user's ``config_dirs`` on the
+    search path: a recipe, and its baseline, may be the user's own).
 
     Raises:
         UserError: ``name`` runs no K-FAC, the baseline is not found or runs K-FAC.
     """
     from kfac_bench.config.compose import compose_run
-    from kfac_bench.config.store import recipe_names
     from kfac_bench.errors import UserError
 
-    kfac_cfg = compose_run([f"+recipe={name}", *overrides])
+    kfac_cfg = compose_run([f"+recipe={name}", *overrides], config_dirs=config_dirs)
     if not kfac_cfg.kfac.enabled:
         raise UserError(
             f"tune: recipe {name} runs no K-FAC; name the K-FAC recipe (e.g. digits, not digits_sgd)"
@@ -170,14 +193,16 @@ def _arms(
         stem, smoke = (
             (name.removesuffix("_smoke"), "_smoke") if name.endswith("_smoke") else (name, "")
         )
-        found = [stem + s + smoke for s in _BASELINE_SUFFIXES if stem + s + smoke in recipe_names()]
+        tried = [stem + s + smoke for s in _BASELINE_SUFFIXES]
+        found = [t for t in tried if _recipe_known(t, config_dirs)]
         if not found:
-            tried = ", ".join(stem + s + smoke for s in _BASELINE_SUFFIXES)
+            where = " in the package or " + ", ".join(config_dirs) if config_dirs else ""
             raise UserError(
-                f"tune: no first-order recipe for {name} ({tried}); name one with --baseline RECIPE"
+                f"tune: no first-order recipe for {name} ({', '.join(tried)}{where}); name one with "
+                "--baseline RECIPE"
             )
         baseline = found[0]
-    base_cfg = compose_run([f"+recipe={baseline}", *overrides])
+    base_cfg = compose_run([f"+recipe={baseline}", *overrides], config_dirs=config_dirs)
     if base_cfg.kfac.enabled:
         raise UserError(f"tune: --baseline {baseline} runs K-FAC; name a first-order recipe")
     key = str(base_cfg.optimizer.name.value).lower()
@@ -194,199 +219,276 @@ def _grid(values: Sequence[float]) -> list[float]:
     return [float(f"{v:.4g}") for v in out]
 
 
-def _sweep(
-    arm: Arm,
-    ns: argparse.Namespace,
-    lrs: list[float],
-    dampings: list[float],
-    out: Path,
-    rest: list[str],
-) -> int:
-    from kfac_bench.commands import train as train_command
+@dataclass(frozen=True)
+class Job:
+    """One run of the grid: an arm at a point and a seed, in its own run directory."""
+
+    arm: Arm
+    lr: float
+    damping: float | None
+    seed: int
+
+    @property
+    def folder(self) -> str:
+        damping = "" if self.damping is None else f"_damping{self.damping:g}"
+        return f"lr{self.lr:g}{damping}_seed{self.seed}"
+
+
+def _grid_record(
+    name: str, arms: Sequence[Arm], ns: argparse.Namespace, lrs: list[float], dampings: list[float]
+) -> dict[str, Any]:
+    return {
+        "recipe": name,
+        "baseline": arms[0].recipe,
+        "lrs": lrs,
+        "dampings": dampings,
+        "seeds": list(ns.seeds),
+        "epochs": ns.epochs,
+        "overrides": list(ns.overrides),
+        "config_dirs": list(ns.config_dirs),
+    }
+
+
+def _jobs(
+    arms: Sequence[Arm], lrs: Sequence[float], dampings: Sequence[float], seeds: Sequence[int]
+) -> list[Job]:
+    """Every arm's runs, seed by seed, the arms interleaved in time: each arm's runs spread evenly over the
+    whole tune (the arm with more points runs more often, never in a block of its own), and at equal
+    places the arms alternate which goes first."""
+    per_arm = [
+        [
+            Job(arm, lr, d, seed)
+            for seed in seeds
+            for lr in lrs
+            for d in (dampings if arm.kfac else [None])
+        ]
+        for arm in arms
+    ]
+    placed = [
+        ((i + 0.5) / len(jobs), (a + i) % len(per_arm), job)
+        for a, jobs in enumerate(per_arm)
+        for i, job in enumerate(jobs)
+    ]
+    return [job for *_, job in sorted(placed, key=lambda t: (t[0], t[1]))]
+
+
+def _finished(run_dir: Path) -> dict[str, Any] | None:
+    """The summary of a finished run in ``run_dir`` (reached, missed or diverged), else None."""
+    from kfac_bench.safe_files import read_head
+
+    text = read_head(run_dir / "summary.json", 1 << 22)
+    if text is None:
+        return None
+    try:
+        summary = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(summary, dict):
+        return None
+    ok = summary.get("status") in ("success", "target_not_reached", "diverged")
+    return summary if ok else None
+
+
+def _job_args(job: Job, ns: argparse.Namespace, out: Path, rest: list[str]) -> list[str]:
     from kfac_bench.config import hydra_quote
 
-    args = [
-        "-m",
-        f"+recipe={arm.recipe}",
-        f"optimizer.lr={','.join(f'{v:g}' for v in lrs)}",
-        *([f"kfac.damping={','.join(f'{v:g}' for v in dampings)}"] if arm.kfac else []),
-        f"train.seed={','.join(str(s) for s in ns.seeds)}",
+    return [
+        *(f"--config-dir={d}" for d in ns.config_dirs),
+        f"+recipe={job.arm.recipe}",
+        f"optimizer.lr={job.lr:g}",
+        *([f"kfac.damping={job.damping:g}"] if job.damping is not None else []),
+        f"train.seed={job.seed}",
         *([f"train.epochs={ns.epochs}"] if ns.epochs else []),
         "train.stop_at_target=true",
         "train.progress=none",
         f"train.campaign={hydra_quote(str(out))}",
-        f"hydra.sweep.dir={hydra_quote(str(out / arm.key))}",
+        f"hydra.run.dir={hydra_quote(str(out / job.arm.key / job.folder))}",
         *rest,
     ]
-    print(f"kfac-bench tune: {arm.key}: kfac-bench train {shlex.join(args)}", flush=True)
-    return train_command.main(args)
 
 
-def _write_recipe(path: Path, parent: str, cfg: Any, best: Point, arm: str, source: str) -> None:
-    """``path``: recipe ``parent`` with ``best``'s values and their tuning record."""
-    import yaml
-    from omegaconf import OmegaConf
+def _run_jobs(
+    jobs: Sequence[Job], ns: argparse.Namespace, out: Path, rest: list[str]
+) -> tuple[int, int]:
+    """Run the jobs not finished yet, in order; returns (exit status, jobs run). A stop signal (SIGTERM,
+    SIGINT, SIGUSR1/2) checkpoints the current job (the run's own handling: it exits 75) and starts no
+    other: the status is then 75. A job that fails stops the tune with its status."""
+    from kfac_bench.commands import train as train_command
+    from kfac_bench.launcher.signals import EXIT_REQUEUE, PreemptionFlag
 
-    record = OmegaConf.to_container(cfg.tuning, resolve=True)
-    values: dict[str, Any] = dict(record.get("values") or {})  # type: ignore[union-attr]
-    values["optimizer"] = {**values.get("optimizer", {}), "lr": best.lr}
-    tuned: dict[str, Any] = {"optimizer": {"lr": best.lr}}
-    if best.damping is not None:
-        values["kfac"] = {**values.get("kfac", {}), "damping": best.damping}
-        tuned["kfac"] = {"damping": best.damping}
-    body = {
-        "defaults": [parent, "_self_"],
-        "name": path.stem,
-        **tuned,
-        "tuning": {"arm": arm, "source": source, "values": values},
-    }
-    header = (
-        "# @package _global_\n"
-        f"# kfac-bench train +recipe={path.stem} --config-dir {path.parent.parent}\n"
-        f"# Written by kfac-bench tune: recipe {parent} at its best grid point (median censored time to\n"
-        "# target over seeds).\n"
-    )
-    path.write_text(header + yaml.safe_dump(body, sort_keys=False))
-
-
-def _table(points: list[Point], best: dict[str, Point], budget: str) -> tuple[str, list[list[Any]]]:
-    head = [
-        "arm",
-        "lr",
-        "damping",
-        "seeds",
-        "reached",
-        "median censored time to target (s)",
-        "median epochs to target",
-        "best",
-    ]
-    rows = []
-    for p in points:
-        rows.append(
-            [
-                p.arm,
-                f"{p.lr:g}",
-                "" if p.damping is None else f"{p.damping:g}",
-                " ".join(str(s) for s in sorted(p.seeds)),
-                f"{p.reached}/{len(p.times)}",
-                "diverged" if math.isinf(p.objective) else f"{p.objective:.2f}",
-                f"{statistics.median(p.epochs):g}" if p.epochs else "-",
-                "*" if best[p.arm] is p else "",
-            ]
-        )
-    lines = [
-        f"Budget: {budget}. Objective: median over seeds of the censored time to target (a run that missed "
-        "counts its whole training time, a diverged one never).",
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
-        *("| " + " | ".join(r) + " |" for r in rows),
-    ]
-    return "\n".join(lines) + "\n", [head, *rows]
+    # A run installs its own flag over this one and hands the signal back to it when it has stopped.
+    flag = PreemptionFlag().install()
+    ran = 0
+    try:
+        for n, job in enumerate(jobs, 1):
+            if flag.signum is not None:
+                return EXIT_REQUEUE, ran
+            if _finished(out / job.arm.key / job.folder) is not None:
+                continue
+            args = _job_args(job, ns, out, rest)
+            print(f"kfac-bench tune: run {n}/{len(jobs)}: kfac-bench train {shlex.join(args)}")
+            status = train_command.main(args)
+            ran += 1
+            if status == EXIT_REQUEUE or flag.signum is not None:
+                return EXIT_REQUEUE, ran
+            if status != 0:
+                return status, ran
+    finally:
+        flag.restore()
+    return 0, ran
 
 
-def _plot(points: list[Point], path: Path) -> None:
-    import matplotlib
+def _config_out(ns: argparse.Namespace, out: Path) -> Path:
+    """Where the tuned recipes go: ``--out-config``, else the user's config dir (the last ``--config-dir``,
+    the one a run reads), else ``OUT/config``. A run of the tuned pair reads one config dir, which must
+    hold the pair and whatever of the user's the recipes use.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Raises:
+        UserError: ``--out-config`` is not the user's config dir.
+    """
+    from kfac_bench.errors import UserError
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    lines: dict[tuple[str, float | None], list[Point]] = {}
-    for p in points:
-        lines.setdefault((p.arm, p.damping), []).append(p)
-    for (arm, damping), pts in sorted(lines.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
-        pts.sort(key=lambda p: p.lr)
-        label = arm if damping is None else f"{arm}, damping {damping:g}"
-        finite = [p for p in pts if not math.isinf(p.objective)]
-        (line,) = ax.plot(
-            [p.lr for p in finite], [p.objective for p in finite], marker="o", label=label
-        )
-        missed = [p for p in finite if p.reached < len(p.times)]
-        ax.plot(
-            [p.lr for p in missed],
-            [p.objective for p in missed],
-            "x",
-            color=line.get_color(),
-            ms=10,
-        )
-    ax.set_xscale("log")
-    ax.set_xlabel("learning rate")
-    ax.set_ylabel("median censored time to target (s)")
-    ax.set_title("tune: x = some seeds missed the target (time is a lower bound)", fontsize=9)
-    ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    own = Path(ns.config_dirs[-1]) if ns.config_dirs else None
+    if ns.out_config:
+        config_out = Path(ns.out_config).resolve()
+        if own is not None and config_out != own:
+            raise UserError(
+                f"tune: --out-config {ns.out_config} is not your --config-dir {own}, and a run of the "
+                f"tuned recipes reads one config dir: give --out-config {own} (or leave it out)"
+            )
+        return config_out
+    return own if own is not None else out / "config"
 
 
 def main(args: Sequence[str]) -> int:
-    """``kfac-bench tune ARGS``; returns the exit status (the first failed sweep's)."""
-    import json
-
-    from kfac_bench.config.resolvers import unique_suffix
+    """``kfac-bench tune ARGS``; returns the exit status: 0, 75 when stopped by a signal (started again
+    on the same ``--out`` it continues), :data:`EXIT_NOT_REACHED` when an arm never reached the target,
+    else the first failed run's."""
     from kfac_bench.errors import UserError
+    from kfac_bench.safe_files import new_folder_name
 
     ns = _parse(args)
     name, rest = _recipe(ns.overrides)
-    arms, cfgs = _arms(name, ns.baseline, rest)
-    lrs = sorted(ns.lrs) if ns.lrs else _grid([float(c.optimizer.lr) for c in cfgs.values()])
+    arms, cfgs = _arms(name, ns.baseline, rest, ns.config_dirs)
+    lrs = sorted(set(ns.lrs)) if ns.lrs else _grid([float(c.optimizer.lr) for c in cfgs.values()])
     base_damping = float(cfgs["kfac"].kfac.damping)
     dampings = (
-        sorted(ns.dampings)
+        sorted(set(ns.dampings))
         if ns.dampings
         else [float(f"{base_damping * f:.3g}") for f in (1 / 3, 1, 3)]
     )
-    out = (
-        Path(ns.out)
-        if ns.out
-        else Path("runs") / f"tune_{time.strftime('%Y-%m-%d_%H-%M-%S')}_{unique_suffix()}"
-    )
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"tune: --out {out} is not empty; choose a new folder")
-    config_out = Path(ns.out_config) if ns.out_config else out / "config"
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(ns.out) if ns.out else Path("runs") / new_folder_name("tune")
+    if os.path.islink(out):
+        raise UserError(f"tune: --out {out} is a symbolic link; give a folder of its own")
+    if out.exists() and not out.is_dir():
+        raise UserError(
+            f"tune: --out '{out}' is a file, not a folder: give a folder for the tune's runs"
+        )
+    config_out = _config_out(ns, out)
+    with contextlib.ExitStack() as stack:  # every folder checked (and locked) before any run
+        grid = _grid_record(name, arms, ns, lrs, dampings)
+        again = tune_files.claim_out(out, grid)
+        stack.enter_context(
+            tune_files.held(out / tune_files.LOCK_FILE, f"tune: another tune is running in {out}")
+        )
+        recipes = stack.enter_context(tune_files.config_lock(config_out))
+        jobs = _jobs(arms, lrs, dampings, ns.seeds)
+        if again:
+            done = sum(_finished(out / j.arm.key / j.folder) is not None for j in jobs)
+            print(f"kfac-bench tune: continuing {out}: {done} of {len(jobs)} runs finished")
+        status, _ = _run_jobs(jobs, ns, out, rest)
+        if status != 0:
+            if status == 75:
+                print(
+                    f"kfac-bench tune: stopped; the current run checkpointed. Run the same command to "
+                    f"continue {out}",
+                    flush=True,
+                )
+            return status
+        return _report(args, ns, arms, cfgs, jobs, out, recipes)
+
+
+def _report(
+    args: Sequence[str],
+    ns: argparse.Namespace,
+    arms: list[Arm],
+    cfgs: dict[str, Any],
+    jobs: list[Job],
+    out: Path,
+    recipes: Path,
+) -> int:
+    """Rank each arm's points, write tune.md/.csv/.png and (when every arm reached the target) the tuned
+    pair; returns the exit status."""
+    from omegaconf import OmegaConf
+
+    from kfac_bench import safe_files
+    from kfac_bench.config.compose import compose_run
+    from kfac_bench.errors import UserError
+
     epochs = ns.epochs or int(cfgs["kfac"].train.epochs)
     seeds = " ".join(str(s) for s in ns.seeds)
     budget = f"{epochs} epochs, seeds {seeds}, target {dict(cfgs['kfac'].train.targets)}"
-    for arm in arms:
-        status = _sweep(arm, ns, lrs, dampings, out, rest)
-        if status != 0:
-            return status
-    points: list[Point] = []
-    best: dict[str, Point] = {}
+    rankings: dict[str, Ranking] = {}
     for arm in arms:
         summaries = [
-            json.loads(p.read_text()) for p in sorted((out / arm.key).glob("*/summary.json"))
+            s
+            for j in jobs
+            if j.arm == arm
+            if (s := _finished(out / arm.key / j.folder)) is not None
         ]
-        ranked = score(summaries, arm.key)
-        if not ranked:
+        if not summaries:
             raise UserError(f"tune: no run of {arm.recipe} finished (see {out / arm.key})")
-        best[arm.key] = ranked[0]
-        points += ranked
+        rankings[arm.key] = rank(points_of(summaries, arm.key))
     command = shlex.join(["kfac-bench", "tune", *args])
-    markdown, rows = _table(points, best, budget)
-    (out / "tune.md").write_text(f"# {command}\n\n{markdown}")
-    with (out / "tune.csv").open("w", newline="") as f:
-        csv.writer(f).writerows(rows)
-    _plot(points, out / "tune.png")
-    (config_out / "recipe").mkdir(parents=True, exist_ok=True)
-    written = []
-    for arm in arms:
-        path = config_out / "recipe" / f"{arm.recipe}_tuned.yaml"
-        source = f"{command} ({out}: {budget})"
-        _write_recipe(path, arm.recipe, cfgs[arm.key], best[arm.key], arm.key, source)
-        written.append(path.stem)
+    markdown, rows = table(rankings, budget)
+    safe_files.write_atomic(out / "tune.md", f"# {command}\n\n{markdown}")
+    text = io.StringIO()
+    csv.writer(text, lineterminator="\n").writerows(rows)
+    safe_files.write_atomic(out / "tune.csv", text.getvalue())
+    safe_files.write_atomic(
+        out / "tune.png", plot_png([p for r in rankings.values() for p in r.points])
+    )
     print(markdown, end="")
-    for arm in arms:
-        if best[arm.key].reached == 0:
-            print(
-                f"kfac-bench tune: warning: no {arm.key} run reached the target within {epochs} epochs, "
-                "so its choice says nothing; give a larger --epochs or a wider grid"
-            )
     print(f"wrote {out / 'tune.md'}, {out / 'tune.csv'}, {out / 'tune.png'}")
+    missed = [arm for arm in arms if not rankings[arm.key].reached]
+    if missed:
+        arm = missed[0]
+        widen = f"--lrs (tried {min(p.lr for p in rankings[arm.key].points):g} to "
+        widen += f"{max(p.lr for p in rankings[arm.key].points):g})"
+        if arm.kfac:
+            widen += " or --dampings"
+        print(
+            f"kfac-bench tune: no {arm.key} grid point ({arm.recipe}) reached the target within {epochs} "
+            f"epochs, so no tuned recipe was written: widen {widen} or raise --epochs",
+            flush=True,
+        )
+        return EXIT_NOT_REACHED
+    run_flags = f"--config-dir {shlex.quote(str(recipes.parent))}"
+    source = f"{command} ({out}: {budget})"
+    texts: dict[str, str] = {}
+    for arm in arms:
+        stem = f"{arm.recipe}_tuned"
+        parent_cfg = OmegaConf.to_container(
+            compose_run([f"+recipe={arm.recipe}"], config_dirs=ns.config_dirs), resolve=True
+        )
+        best = rankings[arm.key].best
+        assert best is not None and isinstance(parent_cfg, dict)
+        texts[stem] = tune_files.recipe_text(
+            stem,
+            arm.recipe,
+            {str(k): v for k, v in parent_cfg.items()},
+            best,
+            arm.sections,
+            arm.key,
+            source,
+            f"kfac-bench train +recipe={stem} {run_flags}",
+        )
+    tune_files.write_pair(recipes, texts)
+    fresh = list(range(max(ns.seeds) + 1, max(ns.seeds) + 1 + max(3, len(ns.seeds))))
     print(
-        f"kfac-bench tune: tuned recipes {', '.join(written)} in {config_out}; run them with\n"
-        f"  kfac-bench train -m +recipe={','.join(written)} train.seed=0,1,2 --config-dir {config_out}"
+        f"kfac-bench tune: tuned recipes {', '.join(texts)} in {recipes}; compare them on fresh seeds "
+        f"(not the tuning's), a seed's two arms back to back:\n"
+        f"  kfac-bench train -m train.seed={','.join(map(str, fresh))} "
+        f"+recipe={','.join(texts)} {run_flags}"
     )
     return 0

@@ -1,7 +1,9 @@
 """Runs grouped by arm for ``kfac-bench compare``: labels, the baseline, median and spread over seeds.
 
 An arm is what a comparison is about: the optimizer and, with K-FAC on, its KAISA strategy ("SGD",
-"SGD + K-FAC (COMM-OPT)"), or the run's ``name`` when it was set on the command line (``name=...``). Runs
+"SGD + K-FAC (COMM-OPT)"), or the run's ``name`` when it was set on the command line (``name=...``), or
+the recipe's own ``name:`` where runs of one optimizer and strategy come from recipes of several names (a
+copy of a recipe is an arm of its own, never merged with the original). Runs
 whose configs differ only in ``train.seed`` (and in keys that change neither their numbers nor their
 timing, :data:`SAME_RUN`) are one group: several seeds of one setting. Groups of one arm that differ in
 other settings (a learning-rate sweep) are labelled with the keys that differ. The baseline is the first
@@ -93,13 +95,33 @@ class Group:
 
 def _seed(run: RunRecord) -> int | None:
     seed = ((run.summary.get("config") or {}).get("train") or {}).get("seed")
-    return seed if isinstance(seed, int) else None
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
+
+
+def _recipe_name(run: RunRecord) -> str | None:
+    name = (run.summary.get("config") or {}).get("name")
+    return str(name) if name is not None else None
+
+
+def _arms(runs: Sequence[RunRecord]) -> list[str]:
+    """Each run's arm: the ``name=`` of its command line, else its optimizer and strategy, unless runs of
+    that label carry several recipe names: then the recipe's name."""
+    given = [_name_set(r) for r in runs]
+    labels = [arm_label(r.summary) for r in runs]
+    names: dict[str, set[str | None]] = {}
+    for g, label, run in zip(given, labels, runs):
+        if g is None:
+            names.setdefault(label, set()).add(_recipe_name(run))
+    return [
+        g if g is not None else (_recipe_name(run) or label) if len(names[label]) > 1 else label
+        for g, label, run in zip(given, labels, runs)
+    ]
 
 
 def group_runs(runs: Sequence[RunRecord]) -> list[Group]:
     """Group runs by arm and setting (order of first appearance) and label groups and runs. Runs compared
     by campaign (``RunRecord.campaign`` set) are arms of their campaign, labelled ``ARM @ CAMPAIGN``."""
-    arms = [_name_set(r) or arm_label(r.summary) for r in runs]
+    arms = _arms(runs)
     arms = [arm if r.campaign is None else f"{arm} @ {r.campaign}" for arm, r in zip(arms, runs)]
     settings = [_setting(r.summary) for r in runs]
     keys: list[tuple[str, str]] = []

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kfac_bench.errors import UserError
+from kfac_bench import safe_files
+from kfac_bench.errors import UserError, visible
 from kfac_bench.metrics.summary import SUMMARY_FILE, read_summary
 
 __all__ = [
@@ -171,10 +172,15 @@ def chain_rows(chains: Sequence[Chain]) -> list[dict[str, Any]]:
         )
     base = rows[0]["time_to_solution_s"] if rows else None
     for row in rows:
-        total = row["time_to_solution_s"]
         # As compare's table: the chain's time over the baseline's (< 1: faster).
-        row["time_ratio"] = total / base if base and total is not None else None
+        row["time_ratio"] = _ratio(row["time_to_solution_s"], base)
     return rows
+
+
+def _ratio(total: Any, base: Any) -> float | None:
+    if isinstance(total, (int, float)) and isinstance(base, (int, float)) and base:
+        return float(total) / float(base)
+    return None
 
 
 def _cell(key: str, value: Any) -> str:
@@ -203,12 +209,15 @@ def render_chains(chains: Sequence[Chain], fmt: str) -> str:
         "pretraining phases' training time (TPDS §6.3.3; fine-tuning not counted); time_ratio = a chain's "
         "time to solution / the baseline's (< 1: faster)"
     )
-    notes = [f"note: {n}" for c in chains for n in c.notes]
-    cells = [[_cell(k, r[k]) for k in CHAIN_COLUMNS] for r in rows]
+    # Names and labels come from the command line and run directories: control characters escaped
+    # (and a `|` in a markdown cell), so they neither drive the terminal nor break the table.
+    title = visible(title)
+    notes = [visible(f"note: {n}") for c in chains for n in c.notes]
+    cells = [[visible(_cell(k, r[k])) for k in CHAIN_COLUMNS] for r in rows]
     if fmt == "markdown":
         lines = [f"**{title}**", ""]
         lines += ["| " + " | ".join(CHAIN_COLUMNS) + " |", "|" + "---|" * len(CHAIN_COLUMNS)]
-        lines += ["| " + " | ".join(c) + " |" for c in cells]
+        lines += ["| " + " | ".join(x.replace("|", "\\|") for x in c) + " |" for c in cells]
         return "\n".join([*lines, *(["", *notes] if notes else [])]) + "\n"
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(CHAIN_COLUMNS)]
     lines = [title, "  ".join(h.ljust(w) for h, w in zip(CHAIN_COLUMNS, widths))]
@@ -216,11 +225,14 @@ def render_chains(chains: Sequence[Chain], fmt: str) -> str:
     return "\n".join([*lines, *notes]) + "\n"
 
 
-def compare_chains(specs: Sequence[str], out: Path) -> list[Chain]:
-    """Load the chains of ``--chain`` arguments and write ``chains.md`` and ``chains.csv`` to ``out``.
+def compare_chains(specs: Sequence[str], out: Path | safe_files.Folder) -> list[Chain]:
+    """Load the chains of ``--chain`` arguments and write ``chains.md`` and ``chains.csv`` to ``out`` (a
+    path: a new or empty folder, made once the chains are read; or an open folder), each replaced
+    atomically and never through a link.
 
     Raises:
-        UserError: a bad specification, a repeated chain name, or a chain of the wrong shape.
+        UserError: a bad specification, a repeated chain name, a chain of the wrong shape, or ``out`` (a
+            path) not a new or empty folder.
     """
     parsed = [parse_chain(spec) for spec in specs]
     names = [name for name, _ in parsed]
@@ -228,7 +240,15 @@ def compare_chains(specs: Sequence[str], out: Path) -> list[Chain]:
     if repeated is not None:
         raise UserError(f"compare: chain name '{repeated}' is given twice: name each chain once")
     chains = [load_chain(name, paths) for name, paths in parsed]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "chains.md").write_text(render_chains(chains, "markdown"))
-    (out / "chains.csv").write_text(render_chains(chains, "csv"))
+    folder = (
+        out
+        if isinstance(out, safe_files.Folder)
+        else safe_files.output_folder(out, f"--out '{out}'", "the chains' files")
+    )
+    try:
+        folder.write("chains.md", render_chains(chains, "markdown"))
+        folder.write("chains.csv", render_chains(chains, "csv"))
+    finally:
+        if folder is not out:
+            folder.close()
     return chains

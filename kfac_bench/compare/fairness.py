@@ -14,6 +14,12 @@ recipes and by ``kfac-bench tune``. A run is flagged when:
   are checked;
 - it has no tuning record (``tuning.source`` unset).
 
+A run without a flag had a record present and matched (:data:`MATCHED`, what the table's fairness row
+says then). Beside the tuning, an arm is flagged where its design differs from the baseline's
+(:func:`design_flags`): another dataset or model (their config sections, the data's location aside), or
+another budget (``train.epochs``, ``train.max_steps``, ``train.limit_train_batches``); runs with different
+targets are refused before this (``kfac_bench.compare.report.check_same_target``).
+
 :func:`fairness_flags` returns the flags of a group of runs, one line each, naming the run's role.
 """
 
@@ -26,12 +32,33 @@ from typing import Any
 from kfac_bench.config import flat_config
 from kfac_bench.metrics.summary import first_order
 
-__all__ = ["KFAC_ARM", "fairness_flags", "run_flags", "tuned_arm"]
+__all__ = [
+    "DESIGN",
+    "KFAC_ARM",
+    "MATCHED",
+    "SAME_DESIGN",
+    "design_flags",
+    "fairness_flags",
+    "run_flags",
+    "tuned_arm",
+]
 
 #: ``tuning.arm`` of values tuned for a K-FAC arm (a first-order arm names its optimizer).
 KFAC_ARM = "kfac"
 #: Config sections whose tuned values a run must keep (``kfac`` only for K-FAC runs).
 _TUNED = ("optimizer", "lr_schedule")
+#: What the fairness row says of a run without a flag: what was checked, and that it held (an arm's row
+#: adds :data:`SAME_DESIGN`).
+MATCHED = "tuning record present and matched"
+SAME_DESIGN = "same dataset, model and budget as the baseline"
+#: What an arm must share with the baseline: a name and the config keys (flattened) that make it. The
+#: data's location is not the data.
+DESIGN: dict[str, tuple[str, ...]] = {
+    "dataset": ("dataset",),
+    "model": ("model",),
+    "budget": ("train.epochs", "train.max_steps", "train.limit_train_batches"),
+}
+_NOT_DESIGN = ("dataset.root",)
 
 
 def tuned_arm(summary: dict[str, Any]) -> str:
@@ -103,3 +130,35 @@ def run_flags(summary: dict[str, Any], who: str) -> list[str]:
 def fairness_flags(summaries: Sequence[dict[str, Any]], who: str) -> list[str]:
     """The flags of a group of runs (one arm's seeds), each once, in order of first appearance."""
     return list(dict.fromkeys(f for s in summaries for f in run_flags(s, who)))
+
+
+def _design(summary: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    config = summary.get("config") or {}
+    flat = flat_config(config, _NOT_DESIGN)
+    return {
+        k: v for k, v in flat.items() if any(k == key or k.startswith(key + ".") for key in keys)
+    }
+
+
+def design_flags(
+    arm: Sequence[dict[str, Any]], baseline: Sequence[dict[str, Any]], who: str
+) -> list[str]:
+    """One flag per :data:`DESIGN` part (dataset, model, budget) in which a run of ``arm`` differs from
+    the baseline's first run, naming up to three keys with both values."""
+    if not arm or not baseline:
+        return []
+    flags = []
+    for part, keys in DESIGN.items():
+        base = _design(baseline[0], keys)
+        for summary in arm:
+            own = _design(summary, keys)
+            differ = [
+                f"{k} {_show(own.get(k))} (baseline {_show(base.get(k))})"
+                for k in sorted(set(own) | set(base))
+                if not _same(own.get(k), base.get(k))
+            ]
+            if differ:
+                more = f", and {len(differ) - 3} more" if len(differ) > 3 else ""
+                flags.append(f"{who} runs another {part}: " + ", ".join(differ[:3]) + more)
+                break
+    return flags

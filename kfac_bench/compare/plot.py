@@ -8,9 +8,11 @@ import math
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from kfac_bench.compare.runs import RunRecord
+from kfac_bench.config import builder_name, model_name
+from kfac_bench.errors import visible
 
 if TYPE_CHECKING:
     from kfac_bench.compare.report import Comparison
@@ -22,13 +24,19 @@ __all__ = ["comparison_figure", "legend_layout", "plot_comparison"]
 _SEED_STYLES = ("-", "--", ":", "-.")
 
 
+def _plain(text: str) -> str:
+    """A label from run directories as drawn: control characters escaped, ``$`` taken literally (not the
+    start of mathtext, which a stray one would make fail)."""
+    return visible(text).replace("$", r"\$")
+
+
 def _setting_title(cmp: Comparison) -> str:
     """ "small_cnn on digits, global batch 256, 1 x cpu" from the runs' configs (values that differ
     between arms joined with " / ")."""
 
     def name(run: RunRecord, section: str) -> str:
-        target = str(((run.summary.get("config") or {}).get(section) or {}).get("_target_", "?"))
-        return target.rsplit(".", 1)[-1].removeprefix("build_")
+        cfg = (run.summary.get("config") or {}).get(section) or {}
+        return model_name(cfg) if section == "model" else builder_name(cfg)
 
     def values(get: Callable[[RunRecord], str]) -> str:
         return " / ".join(dict.fromkeys(get(r) for g in cmp.groups for r in g.runs))
@@ -72,17 +80,19 @@ _LEGEND_WIDTH = 150
 def legend_layout(labels: list[str]) -> tuple[list[str], int]:
     """Labels wrapped at :data:`_LABEL_WIDTH` characters, and as many legend columns as fit the figure's
     width (so a long arm label never runs off it)."""
+    labels = [_plain(label) for label in labels]
     wrapped = ["\n".join(textwrap.wrap(label, _LABEL_WIDTH)) or label for label in labels]
     widest = max((len(line) for w in wrapped for line in w.splitlines()), default=1)
     return wrapped, max(1, min(len(labels), 4, _LEGEND_WIDTH // (widest + 8)))
 
 
-def plot_comparison(cmp: Comparison, path: Path) -> Path:
-    """Save :func:`comparison_figure` as a PNG at ``path`` (cropped to what is drawn, legend included)."""
+def plot_comparison(cmp: Comparison, path: Path | BinaryIO) -> Path | BinaryIO:
+    """Save :func:`comparison_figure` as a PNG at ``path`` or into the open binary file ``path``
+    (cropped to what is drawn, legend included)."""
     import matplotlib.pyplot as plt
 
     fig = comparison_figure(cmp)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
+    fig.savefig(path, dpi=100, bbox_inches="tight", format="png")
     plt.close(fig)
     return path
 
@@ -123,7 +133,7 @@ def comparison_figure(cmp: Comparison) -> Any:
         if target is not None:
             ax.axhline(float(target), color="black", linestyle="--", linewidth=1)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(metric)
+        ax.set_ylabel(_plain(metric))
         ax.set_ylim(low, high)
         ax.grid(alpha=0.3)
     handles = [
@@ -154,6 +164,6 @@ def comparison_figure(cmp: Comparison) -> Any:
     for handle, label in zip(handles, labels):
         handle.set_label(label)
     fig.legend(handles=handles, loc="outside lower center", ncol=ncol, fontsize=9)
-    title = "\n".join(textwrap.wrap(f"{metric} to target: {_setting_title(cmp)}", 110))
+    title = "\n".join(textwrap.wrap(_plain(f"{metric} to target: {_setting_title(cmp)}"), 110))
     fig.suptitle(title, fontsize=11)
     return fig

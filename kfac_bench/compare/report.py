@@ -20,28 +20,28 @@ from __future__ import annotations
 import csv
 import io
 import os
-import secrets
 import textwrap
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from kfac_bench import safe_files
 from kfac_bench.compare.arms import Group, Spread, choose_baseline, group_runs
-from kfac_bench.compare.fairness import fairness_flags
+from kfac_bench.compare.fairness import MATCHED, SAME_DESIGN, design_flags, fairness_flags
 from kfac_bench.compare.runs import RunRecord, is_run, read_run, run_dirs, warn
+from kfac_bench.compare.schedule import blocked_in_time, schedule_of
 from kfac_bench.compare.selection import select_runs
 from kfac_bench.compare.stats import Interval
 from kfac_bench.compare.verdict import (
     Stats,
+    claim_of,
     group_stats,
     interval_text,
     ratio_intervals,
     step_ratio,
     verdict,
 )
-from kfac_bench.errors import UserError
+from kfac_bench.errors import UserError, visible
 
 __all__ = [
     "COLUMNS",
@@ -65,10 +65,13 @@ RATIO_NOTE = (
     "seed where both ran the seed, with its 95 % confidence interval [low-high] (method in the 95 % CI row; "
     "a run that missed the target is censored at its training time and leaves the interval open on the "
     "side it could move: inf or 0); the verdict says faster only when the whole interval is below 1, "
-    "slower only when it is above 1. MLPerf score: the mean time to target without the fastest and the "
-    "slowest run. Step time beyond the baseline's and the K-FAC stages are both % of "
-    "the arm's mean step time (forward, backward, K-FAC and update; evaluations outside): where they "
-    "differ, the rest of the arm's step took more or less time than the baseline's step"
+    "slower only when it is above 1 (the claim rows, in words a program can read). Seeds for power: how "
+    "many seeds per arm the observed spread of time ratios needs to detect a true ratio of 0.9 with 80 % "
+    "power (a design figure for the next campaign; none while a run is censored). MLPerf score: the mean "
+    "time to target without the fastest and the slowest run. Step time beyond the baseline's and the "
+    "K-FAC stages are both % of the arm's mean step time (forward, backward, K-FAC and update; "
+    "evaluations outside): where they differ, the rest of the arm's step took more or less time than "
+    "the baseline's step"
 )
 
 #: One row per arm (CSV) or one line per measure with the arms side by side (terminal, Markdown).
@@ -82,7 +85,11 @@ COLUMNS = [
     "epochs_to_target",
     "time_ratio",
     "epochs_ratio",
+    "claim",
+    "epochs_claim",
+    "schedule",
     "ci_method",
+    "seeds_for_power",
     "mlperf_time_s",
     "mean_step_time_ms",
     "step_time_ratio",
@@ -126,7 +133,11 @@ _TITLES = {
     "epochs_to_target": ("epochs to target", 2),
     "time_ratio": ("time to target / baseline's [95 % CI]", 2),
     "epochs_ratio": ("epochs to target / baseline's [95 % CI]", 2),
+    "claim": ("claim on the clock (faster/slower/none)", None),
+    "epochs_claim": ("claim in epochs (fewer/more/none)", None),
+    "schedule": ("arms in time (interleaved/blocked/unknown)", None),
     "ci_method": ("95 % CI", None),
+    "seeds_for_power": ("seeds per arm to detect a time ratio of 0.9, 80 % power", None),
     "mlperf_time_s": ("MLPerf score (5+ seeds; s)", 2),
     "mean_step_time_ms": ("mean step time (ms)", 1),
     "step_time_ratio": ("step time / baseline's", 2),
@@ -219,12 +230,28 @@ class Comparison:
         self.metric = str(base.get("target_metric") or "metric")
         self.target = base.get("target_value")
         self.higher = base.get("higher_is_better", True) is not False
+        base_runs = [r.summary for r in self.groups[0].runs]
         self.flags: list[list[str]] = [
-            fairness_flags([r.summary for r in g.runs], "baseline" if i == 0 else g.label)
-            for i, g in enumerate(self.groups)
+            fairness_flags(base_runs, "baseline"),
+            *(
+                fairness_flags([r.summary for r in g.runs], g.label)
+                + design_flags([r.summary for r in g.runs], base_runs, g.label)
+                for g in self.groups[1:]
+            ),
         ]
         self.intervals: list[dict[str, Interval] | None] = [None] + [
             ratio_intervals(s, self.stats[0]) for s in self.stats[1:]
+        ]
+        #: Per arm: why its clock claim cannot be told apart from load drift (None: it can), and how its
+        #: runs sat in time beside the baseline's (:mod:`kfac_bench.compare.schedule`).
+        self.blocked: list[str | None] = [None]
+        self.blocked += [
+            blocked_in_time([r.summary for r in g.runs], base_runs, g.label, self.groups[0].label)
+            for g in self.groups[1:]
+        ]
+        self.schedules: list[str] = ["baseline"] + [
+            "blocked" if b else schedule_of([r.summary for r in g.runs], base_runs)
+            for g, b in zip(self.groups[1:], self.blocked[1:])
         ]
 
     @property
@@ -238,8 +265,16 @@ class Comparison:
             return []
         base = self.stats[0]
         return [
-            verdict(s, base, self.metric, float(self.target), self.higher, [*self.flags[0], *flags])
-            for s, flags in zip(self.stats[1:], self.flags[1:])
+            verdict(
+                s,
+                base,
+                self.metric,
+                float(self.target),
+                self.higher,
+                [*self.flags[0], *flags],
+                blocked=blocked,
+            )
+            for s, flags, blocked in zip(self.stats[1:], self.flags[1:], self.blocked[1:])
         ]
 
     def rows(self) -> list[dict[str, Any]]:
@@ -274,7 +309,9 @@ class Comparison:
             "best_metric": s.spread("best_metric").median,
             "samples_per_s": s.spread("samples_per_s").median,
             "mlperf_time_s": s.mlperf(),
-            "fairness": "; ".join(self.flags[i]) or "ok",
+            "schedule": self.schedules[i],
+            "fairness": "; ".join(self.flags[i])
+            or (MATCHED if i == 0 else f"{MATCHED}; {SAME_DESIGN}"),
             "_spreads": spreads,
             "_intervals": intervals,
         }
@@ -282,6 +319,9 @@ class Comparison:
             row[key], row[f"{key}_min"], row[f"{key}_max"] = sp.median, sp.low, sp.high
         if intervals is None:  # the baseline
             row.update(time_ratio=1.0, epochs_ratio=1.0, ci_method="baseline")
+            row.update(
+                claim=claim_of(None), epochs_claim=claim_of(None, "epochs"), seeds_for_power=None
+            )
             for key in INTERVAL_COLUMNS:
                 row[f"{key}_ci_low"] = row[f"{key}_ci_high"] = None
         else:
@@ -290,6 +330,10 @@ class Comparison:
                 row[key], row[f"{key}_ci_low"], row[f"{key}_ci_high"] = iv.ratio, iv.low, iv.high
             methods = dict.fromkeys(iv.method for iv in intervals.values())
             row["ci_method"] = "; ".join(methods)
+            # Arms run in separate blocks of time: the clock cannot separate them from load drift.
+            row["claim"] = claim_of(None if self.blocked[i] else intervals["time"])
+            row["epochs_claim"] = claim_of(intervals["epochs"], "epochs")
+            row["seeds_for_power"] = intervals["time"].seeds_for_power
         return row
 
 
@@ -367,10 +411,21 @@ def _render(cmp: Comparison, fmt: str) -> str:
     lines = [head]
     for key in COLUMNS[1:]:
         lines.append([_TITLES[key][0].format(m=cmp.metric), *(_cell(key, r) for r in rows)])
-    verdicts = cmp.verdicts()
+    verdicts = [visible(v) for v in cmp.verdicts()]
+    title = visible(title)
+    # Labels come from run directories (campaign names, paths): never raw control characters or a `|`
+    # that would end a markdown cell.
+    lines = [[visible(c) for c in cells] for cells in lines]
+    head = lines[0]
     if fmt == "markdown":
-        md = [f"**{title}**{note}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        md += ["| " + " | ".join(cells) + " |" for cells in lines[1:]]
+        table = [[c.replace("|", "\\|") for c in cells] for cells in lines]
+        md = [
+            f"**{title}**{note}",
+            "",
+            "| " + " | ".join(table[0]) + " |",
+            "|" + "---|" * len(head),
+        ]
+        md += ["| " + " | ".join(cells) + " |" for cells in table[1:]]
         md += ["", f"*{RATIO_NOTE}*", ""] + [f"**Verdict:** {v}" for v in verdicts]
         return "\n".join(md) + "\n"
     widths = [max(len(cells[i]) for cells in lines) for i in range(len(head))]
@@ -392,7 +447,9 @@ def csv_safe(value: Any) -> Any:
     return value
 
 
-def plot(runs: Sequence[RunRecord], path: Path, baseline: str | None = None) -> Path:
+def plot(
+    runs: Sequence[RunRecord], path: Path | BinaryIO, baseline: str | None = None
+) -> Path | BinaryIO:
     """PNG: the target metric against wall-clock seconds (left) and epochs (right); see
     :func:`kfac_bench.compare.plot.plot_comparison`."""
     from kfac_bench.compare.plot import plot_comparison
@@ -414,33 +471,44 @@ def default_out(paths: Sequence[str | Path], kind: str = "compare") -> Path:
     cwd = Path.cwd().resolve()
     if common == cwd or common in cwd.parents:
         common = Path("runs")
-    return common / f"{kind}_{time.strftime('%Y-%m-%d_%H-%M-%S')}_{secrets.token_hex(3)}"
+    return common / safe_files.new_folder_name(kind)
 
 
-def output_dir(out: Path | str) -> Path:
-    """``out``, created if missing.
+def output_dir(out: Path | str) -> safe_files.Folder:
+    """The open output folder ``out``, made if missing (the one rule of every command's output folder:
+    missing or empty, :func:`kfac_bench.safe_files.output_folder`); close it (or use ``with``).
 
     Raises:
-        UserError: ``out`` is a file, or cannot be created.
+        UserError: ``out`` is a file, holds anything, or cannot be created.
     """
     return safe_files.output_folder(out, f"--out '{out}'", "the comparison's files")
 
 
 def write_outputs(
-    runs: Sequence[RunRecord], out: Path, fmt: str = "terminal", baseline: str | None = None
+    runs: Sequence[RunRecord],
+    out: Path | safe_files.Folder,
+    fmt: str = "terminal",
+    baseline: str | None = None,
 ) -> str:
-    """Write ``compare.md``, ``compare.csv`` and ``compare.png`` to ``out``; returns the table in ``fmt``
-    followed by a line naming the files.
+    """Write ``compare.md``, ``compare.csv`` and ``compare.png`` to ``out`` (a path: a new or empty folder,
+    :func:`output_dir`; an open folder: the caller's, e.g. the demo's, already holding its runs), each
+    replaced atomically and never through a link; returns the table in ``fmt`` followed by a line naming
+    the files.
 
     Raises:
-        UserError: ``baseline`` matches no arm.
+        UserError: ``baseline`` matches no arm; ``out`` (a path) is not a new or empty folder.
     """
-    cmp = Comparison(runs, baseline)  # an unknown baseline stops before anything is written
-    out = output_dir(out)
-    (out / "compare.md").write_text(_render(cmp, "markdown"))
-    (out / "compare.csv").write_text(_render(cmp, "csv"))
     from kfac_bench.compare.plot import plot_comparison
 
-    plot_comparison(cmp, out / "compare.png")
-    files = ", ".join(str(out / f) for f in ("compare.md", "compare.csv", "compare.png"))
-    return _render(cmp, fmt) + f"wrote {files}\n"
+    cmp = Comparison(runs, baseline)  # an unknown baseline stops before anything is written
+    folder = out if isinstance(out, safe_files.Folder) else output_dir(out)
+    try:
+        written = [
+            folder.write("compare.md", _render(cmp, "markdown")),
+            folder.write("compare.csv", _render(cmp, "csv")),
+            folder.replace("compare.png", lambda f: plot_comparison(cmp, f)),
+        ]
+    finally:
+        if folder is not out:
+            folder.close()
+    return _render(cmp, fmt) + f"wrote {', '.join(str(p) for p in written)}\n"

@@ -8,7 +8,10 @@ empty or truncated one. Such a run is still compared with what is readable: each
 warning line, and a missing summary is rebuilt from the evaluation records and the recorded config (its
 status is ``no summary``; what only the summary knows, such as step times, stays empty). A summary with a
 field of the wrong type (edited by hand, or written by another tool) leaves its run out with one warning
-naming the file and the field; an evaluation record with one counts as an unreadable line.
+naming the file and the field; so does a non-finite number (kfac-bench writes NaN and infinities as
+``null``, so a ``NaN`` there was written by something else) and a ``train.seed`` that is true or false. An
+evaluation record with such a field counts as an unreadable line. A run without a summary whose
+``run.lock`` is still held by a process is *running* (its status), not a run that ended badly.
 """
 
 from __future__ import annotations
@@ -22,13 +25,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kfac_bench.errors import UserError
+from kfac_bench import safe_files
+from kfac_bench.errors import UserError, visible
 from kfac_bench.metrics.sinks import EVAL_FILE
 from kfac_bench.metrics.summary import SUMMARY_FILE
 
 __all__ = [
     "CONFIG_FILE",
+    "LOCK_FILE",
     "NO_SUMMARY",
+    "RUNNING",
     "RunRecord",
     "bad_field",
     "is_run",
@@ -43,6 +49,11 @@ __all__ = [
 CONFIG_FILE = "config.yaml"
 #: The status of a run read without a usable ``summary.json``.
 NO_SUMMARY = "no summary"
+#: The status of a run without a summary that still holds its lock (a process is writing it).
+RUNNING = "running"
+#: The lock a run holds while it goes (``kfac_bench/launcher/rundir.py`` ``LOCK_FILE``; a test keeps the
+#: two equal: compare sits below the launcher and cannot import it).
+LOCK_FILE = "run.lock"
 
 
 @dataclass
@@ -67,8 +78,8 @@ class RunRecord:
 
 
 def warn(line: str) -> None:
-    """Print one warning line to stderr."""
-    print(f"kfac-bench: warning: {line}", file=sys.stderr, flush=True)
+    """Print one warning line to stderr (control characters of paths and names escaped)."""
+    print(f"kfac-bench: warning: {visible(line)}", file=sys.stderr, flush=True)
 
 
 def _natural(path: Path) -> list[Any]:
@@ -78,11 +89,6 @@ def _natural(path: Path) -> list[Any]:
 def is_run(path: Path) -> bool:
     """Whether ``path`` is a run directory (it holds a summary or evaluation records)."""
     return (path / SUMMARY_FILE).is_file() or (path / EVAL_FILE).is_file()
-
-
-def _started(path: Path) -> bool:
-    """A run directory that recorded its config (the run was claimed) but no summary or evaluation."""
-    return (path / CONFIG_FILE).is_file() or (path / ".hydra" / "config.yaml").is_file()
 
 
 def run_dirs(
@@ -99,6 +105,7 @@ def run_dirs(
     """
     on_warning = on_warning or warn
     dirs: list[Path] = []
+    seen: set[Path] = set()  # each directory resolved once: a set, not a pairwise comparison
     for given in paths:
         root = Path(given)
         if not root.exists():
@@ -121,18 +128,20 @@ def run_dirs(
                     f"{EVAL_FILE}"
                 )
         for path in sorted(found, key=_natural):
-            if any(_same(path, d) for d in dirs):
+            key = _resolved(path)
+            if key in seen:
                 on_warning(f"{path}: left out: given twice")
                 continue
+            seen.add(key)
             dirs.append(path)
     return dirs
 
 
-def _same(a: Path, b: Path) -> bool:
+def _resolved(path: Path) -> Path:
     try:
-        return a.resolve() == b.resolve()
-    except OSError:
-        return False
+        return path.resolve()
+    except OSError:  # a loop of links: the path as given
+        return path.absolute()
 
 
 #: The deepest nesting of a file compare reads (a summary is about 5 levels deep): deeper is not a file
@@ -264,7 +273,8 @@ _RECORD_NUMBERS = ("step", "epoch", "wall_time_s")
 
 
 def _number(value: Any) -> float | None:
-    """``value`` as a number (a non-finite one may be spelled as a string), else None."""
+    """``value`` as a number (a non-finite one may be spelled as a string, and is refused by
+    :func:`_finite`), else None."""
     if isinstance(value, bool):
         return None
     if isinstance(value, (int, float)):
@@ -272,11 +282,17 @@ def _number(value: Any) -> float | None:
     return _NON_FINITE.get(value) if isinstance(value, str) else None
 
 
+def _finite(value: Any) -> bool:
+    """None, or a finite number."""
+    number = _number(value)
+    return value is None or (number is not None and math.isfinite(number))
+
+
 def _fits(value: Any, kind: str) -> bool:
     if value is None:
         return True
     if kind == _NUMBER:
-        return _number(value) is not None
+        return _finite(value)
     if kind == "a string":
         return isinstance(value, str)
     if kind == "a mapping":
@@ -291,13 +307,14 @@ def bad_field(summary: dict[str, Any]) -> str | None:
     for key, kind in _SUMMARY_TYPES.items():
         value = summary.get(key)
         if not _fits(value, kind):
+            kind = "a finite number" if kind == _NUMBER else kind
             return f"'{key}' (must be {kind}, is {json.dumps(value)[:40]})"
         if kind == _NUMBER and isinstance(value, str):
             summary[key] = _number(value)
     for key in ("targets", "final_metrics", "kfac_stage_times_s"):
         for name, value in (summary.get(key) or {}).items():
             if not _fits(value, _NUMBER):
-                return f"'{key}.{name}' (must be a number, is {json.dumps(value)[:40]})"
+                return f"'{key}.{name}' (must be a finite number, is {json.dumps(value)[:40]})"
     for key in _NON_NEGATIVE:
         value = summary.get(key)
         if value is not None and (value < 0 or value > _ABSURD):
@@ -309,6 +326,16 @@ def bad_field(summary: dict[str, Any]) -> str | None:
     for section in _CONFIG_SECTIONS:
         if not _fits(config.get(section), "a mapping"):
             return f"'config.{section}' (must be a mapping, is {json.dumps(config[section])[:40]})"
+    return bad_seed(config)
+
+
+def bad_seed(config: dict[str, Any]) -> str | None:
+    """``config.train.seed`` as ``"field (must be ..., is ...)"`` when it is true or false (JSON's ``true``
+    would otherwise pair as seed 1); None otherwise. A string or a fraction is not refused: the run is
+    compared unpaired (:mod:`kfac_bench.compare.selection` names it)."""
+    seed = (config.get("train") or {}).get("seed")
+    if isinstance(seed, bool):
+        return f"'config.train.seed' (must be an integer, is {json.dumps(seed)})"
     return None
 
 
@@ -321,7 +348,7 @@ def _clean_record(record: Any) -> dict[str, Any] | None:
     if any(v is None or not 0 <= v <= _ABSURD for v in numbers):
         return None
     if not all(_fits(v, _NUMBER) for v in record["metrics"].values()):
-        return None
+        return None  # a non-finite metric too: the writer records one as null
     metrics = {k: v if v is None else _number(v) for k, v in record["metrics"].items()}
     return {**record, "metrics": metrics}
 
@@ -414,12 +441,24 @@ def read_run(run_dir: Path, on_warning: Callable[[str], None] = warn) -> RunReco
                 f"deeper than {MAX_DEPTH} levels): its target is unknown; left out"
             )
             return None
-        state = "missing" if not (run_dir / SUMMARY_FILE).is_file() else "empty or cut off"
-        notes.append(
-            f"{run_dir / SUMMARY_FILE} is {state} (the run did not end cleanly); compared from "
-            f"{EVAL_FILE} and the recorded config"
-        )
+        if (seed := bad_seed(config)) is not None:
+            on_warning(f"{run_dir / CONFIG_FILE}: field {seed}; left out (fix the field)")
+            return None
+        running = safe_files.lock_held(run_dir / LOCK_FILE)
+        if running:
+            notes.append(
+                f"{run_dir} is still running (a process holds its {LOCK_FILE}); compared from the "
+                f"{len(evals)} evaluation(s) in {EVAL_FILE} so far"
+            )
+        else:
+            state = "missing" if not (run_dir / SUMMARY_FILE).is_file() else "empty or cut off"
+            notes.append(
+                f"{run_dir / SUMMARY_FILE} is {state} (the run did not end cleanly); compared from "
+                f"{EVAL_FILE} and the recorded config"
+            )
         summary = rebuilt_summary(config, evals)
+        if running:
+            summary["status"] = RUNNING
     for note in notes:
         on_warning(note)
     return RunRecord(run_dir.name, run_dir, summary, evals, notes)

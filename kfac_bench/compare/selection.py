@@ -9,11 +9,14 @@ of runs from several campaigns is refused in one line, unless they are compared 
 
 A ``train.mode=benchmark`` run measures throughput and never runs to a target: it is left out, named.
 Two runs of one arm with the same seed are not two samples: the first (in the order given) is kept and
-the others are named and left out, so a seed is never paired twice.
+the others are named and left out, so a seed is never paired twice. A run whose ``train.seed`` is not an
+integer (a string, a fraction; true and false are refused when it is read) pairs with nothing: it is named
+and compared unpaired.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -90,6 +93,13 @@ def select_runs(
             run.campaign = campaign_name(campaign)
     else:
         _refuse_mixed(kept, campaigns)
+    for run in kept:
+        seed = ((run.summary.get("config") or {}).get("train") or {}).get("seed")
+        if seed is not None and not isinstance(seed, int):
+            on_warning(
+                f"{run.path}: train.seed {json.dumps(seed)[:40]} is not an integer: compared unpaired "
+                "(paired with no other arm's seed)"
+            )
     drop: set[int] = set()
     for group in group_runs(kept):
         first: dict[int, RunRecord] = {}

@@ -19,6 +19,14 @@ baseline's censored runs at their lower bound, which makes the ratio larger, not
 never be called faster, and a baseline that missed can never make the arm slower. The point estimate (the
 geometric mean ratio) reads censored runs at their lower bound and is labelled as such.
 
+**Power** (:attr:`Interval.seeds_for_power`): how many seeds per arm a comparison with the observed
+run-to-run spread needs to detect a true ratio of :data:`POWER_RATIO` (or its inverse) with
+:data:`POWER` probability: the exact power of the same t test (noncentral t) at that ratio, with the spread
+(the standard deviation of the log ratios, or of each arm's log values) read from the runs. It is a design
+figure for the next campaign, not post-hoc power: the effect is fixed in advance, never the observed one
+(which would only restate the interval, and swing with it). It needs a spread: none with fewer than two
+pairs (runs), and none while a run is censored (its value is a bound, not an observation of the spread).
+
 Beside it, MLPerf Training's scoring of an arm where it has at least 5 runs: the fastest and the slowest
 time to target are dropped and the rest averaged (a run that missed counts as +infinity).
 """
@@ -28,12 +36,14 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
 
 __all__ = [
     "CONFIDENCE",
     "MLPERF_MIN_RUNS",
+    "POWER",
+    "POWER_RATIO",
     "Interval",
     "Obs",
     "mlperf_score",
@@ -44,7 +54,10 @@ __all__ = [
 CONFIDENCE = 0.95
 #: MLPerf's olympic scoring needs this many runs (it drops two).
 MLPERF_MIN_RUNS = 5
-#: The most seeds :attr:`Interval.seeds_needed` looks for.
+#: The true ratio (time or epochs, arm over baseline) a power statement is about, and the power asked.
+POWER_RATIO = 0.9
+POWER = 0.8
+#: The most seeds :attr:`Interval.seeds_for_power` looks for.
 _MAX_SEEDS = 1000
 
 
@@ -69,10 +82,11 @@ class Interval:
         method: how the interval was computed, for the output (``"paired t on log ratios, 3 seeds"``).
         n: the pairs (paired) or the arm's runs (unpaired) that entered.
         censored: runs in the interval that missed the target.
-        seeds_needed: for an interval that holds 1, about how many seeds (per arm) the observed spread and
-            ratio would need for the interval to exclude 1; None when it excludes 1 already or no number
-            would (a ratio of exactly 1, or an interval left open on the side of the claim by a censored
-            run).
+        seeds_for_power: seeds per arm that the observed spread needs to detect a true ratio of
+            :data:`POWER_RATIO` with :data:`POWER` probability (module docstring); None without a spread
+            (under two pairs or runs per arm, a censored run) or beyond :data:`_MAX_SEEDS`.
+        spread: the standard deviation that figure was computed from (of the seeds' log ratios, paired;
+            of the log ratio of one run per arm, unpaired); None where there is no spread to read.
     """
 
     ratio: float | None
@@ -81,7 +95,16 @@ class Interval:
     method: str
     n: int = 0
     censored: int = 0
-    seeds_needed: int | None = None
+    spread: float | None = None
+    #: The test's (degrees of freedom, standard error) with m seeds per arm, at the observed spread.
+    design: Callable[[int], tuple[float, float]] | None = field(
+        default=None, repr=False, compare=False
+    )
+
+    @cached_property
+    def seeds_for_power(self) -> int | None:
+        """Computed when asked (a search over noncentral t's): see the class docstring."""
+        return None if self.design is None else _power_seeds(self.design)
 
     @property
     def claim(self) -> int:
@@ -134,38 +157,49 @@ def _paired(arm: list[Obs], base: list[Obs], skipped: str) -> Interval:
     low, high = _bounds(mean, se, n - 1)
     low, high = (-math.inf if lo_open else low), (math.inf if hi_open else high)
     censored = sum(a.censored for a, _ in pairs) + sum(b.censored for _, b in pairs)
-    interval = Interval(
+    censored_any = hi_open or lo_open
+    return Interval(
         math.exp(mean),
         math.exp(low),
         math.exp(high),
         f"paired t interval on log ratios, {n} seeds{skipped}",
         n,
         censored,
-    )
-    if interval.claim or mean == 0 or (hi_open if mean < 0 else lo_open):
-        return interval
-    return _with_needed(
-        interval, _needed(n, lambda m: _t(m - 1) * sd / math.sqrt(m), sd, abs(mean))
+        None if censored_any else sd,
+        None if censored_any else (lambda m: (m - 1, sd / math.sqrt(m))),
     )
 
 
-def _needed(n: int, half: Callable[[int], float], sd: float, effect: float) -> int | None:
-    """The fewest seeds m > n with ``half(m) < effect``. Since t > z, m is at least (1.96 sd / effect)^2:
-    the search starts there and walks up (a few steps: t comes close to z quickly)."""
-    start = max(n + 1, math.ceil((1.959963984540054 * sd / effect) ** 2) if effect else _MAX_SEEDS)
-    return next((m for m in range(start, _MAX_SEEDS) if half(m) < effect), None)
+def _power(df: float, se: float) -> float:
+    """The probability that the two-sided t test (``df`` degrees of freedom, standard error ``se``) of
+    log ratios rejects 1 when the true log ratio is ``log(POWER_RATIO)``: noncentral t."""
+    from scipy.stats import nct, norm
+
+    if se == 0:
+        return 1.0
+    crit, ncp = _t(df), abs(math.log(POWER_RATIO)) / se
+    power = float(nct.sf(crit, df, ncp) + nct.cdf(-crit, df, ncp))
+    if not math.isfinite(power):  # scipy's nct gives up far in the tail: the normal limit
+        power = float(norm.sf(crit - ncp) + norm.cdf(-crit - ncp))
+    return power
 
 
-def _with_needed(interval: Interval, needed: int | None) -> Interval:
-    return Interval(
-        interval.ratio,
-        interval.low,
-        interval.high,
-        interval.method,
-        interval.n,
-        interval.censored,
-        needed,
-    )
+def _power_seeds(design: Callable[[int], tuple[float, float]]) -> int | None:
+    """The fewest seeds per arm m >= 2 whose test has :data:`POWER` at :data:`POWER_RATIO`;
+    ``design(m)`` gives that test's (degrees of freedom, standard error). None beyond
+    :data:`_MAX_SEEDS`. The power grows with m: doubling brackets it, a bisection finds it."""
+    lo, hi = 2, 2
+    while _power(*design(hi)) < POWER:
+        if hi >= _MAX_SEEDS:
+            return None
+        lo, hi = hi + 1, min(2 * hi, _MAX_SEEDS)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _power(*design(mid)) >= POWER:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _welch(arm: list[Obs], base: list[Obs], skipped: str) -> Interval:
@@ -184,24 +218,23 @@ def _welch(arm: list[Obs], base: list[Obs], skipped: str) -> Interval:
     lo_open = any(o.censored for o in base)
     low, high = _bounds(mean, se, df)
     low, high = (-math.inf if lo_open else low), (math.inf if hi_open else high)
-    interval = Interval(
+    censored_any = hi_open or lo_open
+
+    def design(m: int) -> tuple[float, float]:
+        v = (vx + vy) / m
+        df = v**2 / ((vx / m) ** 2 / (m - 1) + (vy / m) ** 2 / (m - 1)) if v > 0 else 2 * m - 2
+        return df, math.sqrt(v)
+
+    return Interval(
         math.exp(mean),
         math.exp(low),
         math.exp(high),
         f"Welch t interval on log values, unpaired ({nx} and {ny} runs){skipped}",
         nx,
         sum(o.censored for o in arm) + sum(o.censored for o in base),
+        None if censored_any else math.sqrt(vx + vy),
+        None if censored_any else design,
     )
-    if interval.claim or mean == 0 or (hi_open if mean < 0 else lo_open):
-        return interval
-
-    def half(m: int) -> float:
-        v = vx / m + vy / m
-        d = v**2 / ((vx / m) ** 2 / (m - 1) + (vy / m) ** 2 / (m - 1))
-        return _t(d) * math.sqrt(v)
-
-    needed = _needed(max(nx, ny), half, math.sqrt(vx + vy), abs(mean))
-    return _with_needed(interval, needed)
 
 
 def ratio_interval(arm: Sequence[Obs], base: Sequence[Obs]) -> Interval:

@@ -5,7 +5,8 @@ the baseline: how many seeds reached the target and the median epochs and time t
 to target and the epochs to target as ratios over the baseline's, each with its 95 % confidence interval
 (:mod:`kfac_bench.compare.stats`: paired by seed, runs that missed the target censored, never dropped),
 and the claim the interval supports: faster only when the whole interval is below 1, slower only when it
-is above 1, otherwise no clear difference, with about how many seeds the observed spread would need. The
+is above 1, otherwise no clear difference, with how many seeds per arm the observed spread needs to detect a
+ratio of 0.9 with 80 % power (a design figure for the next campaign, :mod:`kfac_bench.compare.stats`). The
 method is named. Beside it, MLPerf's score where both arms have at least 5 runs; arms that fall back below
 the target after reaching it, and fairness flags (:mod:`kfac_bench.compare.fairness`), are named.
 """
@@ -17,13 +18,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from kfac_bench.compare.arms import Group, Spread, run_measures, spread
-from kfac_bench.compare.stats import MLPERF_MIN_RUNS, Interval, Obs, mlperf_score, ratio_interval
+from kfac_bench.compare.stats import (
+    MLPERF_MIN_RUNS,
+    POWER,
+    POWER_RATIO,
+    Interval,
+    Obs,
+    mlperf_score,
+    ratio_interval,
+)
 
 __all__ = [
+    "CLAIMS",
     "Stats",
+    "claim_of",
     "claim_text",
     "group_stats",
     "interval_text",
+    "power_text",
     "ratio_intervals",
     "step_ratio",
     "verdict",
@@ -119,9 +131,36 @@ def interval_text(iv: Interval) -> str:
     return f"{iv.ratio:.2f} [{_end(iv.low)}-{_end(iv.high)}]"
 
 
+#: The machine-readable claims of an interval (compare.csv's ``claim`` and ``epochs_claim`` columns):
+#: the whole interval below 1, above 1, or neither.
+CLAIMS = {"time": ("faster", "slower", "none"), "epochs": ("fewer", "more", "none")}
+
+
+def claim_of(iv: Interval | None, what: str = "time") -> str:
+    """``faster``/``slower``/``none`` (``what="epochs"``: ``fewer``/``more``/``none``): what the interval
+    supports, the word compare.csv gives for it (the baseline's row, ``iv`` None, is ``none``)."""
+    less, more, none = CLAIMS[what]
+    if iv is None or iv.claim == 0:
+        return none
+    return less if iv.claim < 0 else more
+
+
+def power_text(iv: Interval) -> str | None:
+    """``to detect a ratio of 0.9 with 80 % power: about N seeds per arm, from the observed spread: ...``,
+    or None where the runs give no spread to base it on (:attr:`Interval.seeds_for_power`)."""
+    if iv.spread is None:
+        return None
+    head = f"to detect a ratio of {POWER_RATIO:g} with {100 * POWER:.0f} % power"
+    spread = f"from the observed spread: sd of log ratios {iv.spread:.3f}"
+    if iv.seeds_for_power is None:
+        return f"{head}: more than 1000 seeds per arm, {spread}"
+    return f"{head}: about {iv.seeds_for_power} seeds per arm, {spread}"
+
+
 def claim_text(iv: Interval, what: str, less: str, more: str) -> str:
     """What the interval supports: ``less`` (all below 1), ``more`` (all above 1), or no clear difference
-    with the reason it stays open (too few seeds for the observed spread, or runs that missed)."""
+    with the reason it stays open (runs that missed, too few seeds) and the seeds a ratio of 0.9 would
+    need at the observed spread (:func:`power_text`)."""
     if iv.claim < 0:
         return less
     if iv.claim > 0:
@@ -129,8 +168,9 @@ def claim_text(iv: Interval, what: str, less: str, more: str) -> str:
     text = f"no clear difference {what}"
     if iv.ratio is None:
         return text + " (no run to compare)"
-    if iv.seeds_needed is not None:
-        return text + f" (the observed spread would need about {iv.seeds_needed} seeds per arm)"
+    power = power_text(iv)
+    if power is not None:
+        return text + f" ({power})"
     if iv.censored:
         return text + f" (open while runs miss the target: {iv.censored} censored)"
     if iv.low == 0.0 and math.isinf(iv.high or 0.0):
@@ -154,17 +194,23 @@ def verdict(
     target: float,
     higher: bool = True,
     flags: list[str] | None = None,
+    blocked: str | None = None,
 ) -> str:
     """One line: arm ``a`` against the baseline ``b`` on reaching ``metric`` ``target``; ``flags`` (the
-    fairness flags of both arms) end it."""
+    fairness flags of both arms) end it. ``blocked``: why the arms' times cannot be compared (they ran in
+    separate blocks of time, :mod:`kfac_bench.compare.schedule`): the clock then makes no claim."""
     an = "K-FAC" if b.first_order and not a.first_order and " + K-FAC" in a.label else a.label
     bn = b.label
     op = ">=" if higher else "<="
     head = f"{a.label} reached {metric} {op} {target:g} {_reach(a, True)}, {bn} {_reach(b, False)}"
     ivs = ratio_intervals(a, b)
     time, epochs = ivs["time"], ivs["epochs"]
-    clock = claim_text(
-        time, "on the clock", f"{an} faster on the clock", f"{an} slower on the clock"
+    clock = (
+        f"no claim on the clock: {blocked}"
+        if blocked
+        else claim_text(
+            time, "on the clock", f"{an} faster on the clock", f"{an} slower on the clock"
+        )
     )
     count = claim_text(epochs, "in epochs", f"{an} needs fewer epochs", f"{an} needs more epochs")
     line = (

@@ -14,7 +14,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["config_dir", "flat_config", "hydra_quote", "launch_dir", "recipes_dir"]
+__all__ = [
+    "builder_name",
+    "config_dir",
+    "flat_config",
+    "hydra_quote",
+    "launch_dir",
+    "model_name",
+    "recipes_dir",
+]
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 
@@ -40,6 +48,29 @@ def recipes_dir() -> Path:
 def launch_dir() -> Path:
     """The directory holding the launch scripts (``slurm.sbatch``, ``torchrun_multinode.sh``, ...)."""
     return _locate("launch")
+
+
+def builder_name(section: Mapping[str, Any] | None) -> str:
+    """A config section's builder as a short name: ``kfac_bench.data.cifar.build_cifar10`` -> ``cifar10``
+    (``?`` when it names none)."""
+    target = str((section or {}).get("_target_") or "?")
+    return target.rsplit(".", 1)[-1].removeprefix("build_")
+
+
+def model_name(model: Mapping[str, Any] | None) -> str:
+    """A model as users name it, from its config section: ``arch`` where the builder takes one
+    (``resnet152``), the depth of a CIFAR ResNet (``resnet32``), ``bert_<preset>`` for BERT
+    (``bert_large``), else the builder's name (``maskrcnn``, ``small_cnn``). The planner's profiles and the
+    comparison's titles use this one name."""
+    model = model or {}
+    builder = builder_name(model)
+    if model.get("arch"):
+        return str(model["arch"])
+    if builder == "cifar_resnet" and model.get("depth"):
+        return f"resnet{model['depth']}"
+    if builder in ("bert", "bert_qa"):
+        return builder.replace("bert", f"bert_{model.get('preset', 'large')}", 1)
+    return builder
 
 
 def flat_config(config: Mapping[str, Any], skip: Sequence[str] = ()) -> dict[str, Any]:

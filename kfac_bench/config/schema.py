@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List
+from typing import TYPE_CHECKING, Any, Dict, List
 
 from omegaconf import MISSING
 
@@ -65,12 +65,31 @@ def _by_value(engine_enum: type[Enum]) -> type[Enum]:
     return Enum(engine_enum.__name__, members, type=str, module=__name__)  # type: ignore[return-value]
 
 
-#: K-FAC's closed choices, one source: :mod:`kfac_bench.kfac`'s enums.
-ComputeMethod = _by_value(kfac.ComputeMethod)
-FactorScaling = _by_value(kfac.FactorScaling)
-AssignmentStrategy = _by_value(kfac.AssignmentStrategy)
-Placement = _by_value(kfac.Placement)
-FactorReduction = _by_value(kfac.FactorReduction)
+#: K-FAC's closed choices, one source: :mod:`kfac_bench.kfac`'s enums. A type checker sees the engine's
+#: enums themselves (their members hold the same values, and the defaults below are looked up by value).
+if TYPE_CHECKING:
+    from kfac_bench.kfac import (
+        AssignmentStrategy,
+        ComputeMethod,
+        FactorReduction,
+        FactorScaling,
+        Placement,
+    )
+else:
+    ComputeMethod = _by_value(kfac.ComputeMethod)
+    FactorScaling = _by_value(kfac.FactorScaling)
+    AssignmentStrategy = _by_value(kfac.AssignmentStrategy)
+    Placement = _by_value(kfac.Placement)
+    FactorReduction = _by_value(kfac.FactorReduction)
+
+#: Their defaults, looked up by value (the same members under either view).
+_DEFAULTS: dict[str, Enum] = {
+    "compute_method": ComputeMethod("eigen"),
+    "factor_scaling": FactorScaling("expand"),
+    "assignment_strategy": AssignmentStrategy("compute"),
+    "placement": Placement("lpt"),
+    "factor_reduction": FactorReduction("allreduce"),
+}
 
 
 class Precision(str, Enum):
@@ -200,17 +219,17 @@ class KFACConfig:
     damping: float = bounded(0.003, ge=0)
     factor_decay: float = bounded(0.95, ge=0, lt=1)
     kl_clip: float | None = bounded(0.001, gt=0)
-    compute_method: ComputeMethod = ComputeMethod.eigen
+    compute_method: ComputeMethod = _DEFAULTS["compute_method"]  # type: ignore[assignment]
     compute_eigenvalue_outer_product: bool = True
     factor_dtype: str | None = None
     inv_dtype: str | None = None
     skip_layers: List[str] = field(default_factory=list)
-    factor_scaling: FactorScaling = FactorScaling.expand
+    factor_scaling: FactorScaling = _DEFAULTS["factor_scaling"]  # type: ignore[assignment]
     grad_worker_fraction: str = "comm_opt"
-    assignment_strategy: AssignmentStrategy = AssignmentStrategy.compute
+    assignment_strategy: AssignmentStrategy = _DEFAULTS["assignment_strategy"]  # type: ignore[assignment]
     colocate_factors: bool = True
-    placement: Placement = Placement.lpt
-    factor_reduction: FactorReduction = FactorReduction.allreduce
+    placement: Placement = _DEFAULTS["placement"]  # type: ignore[assignment]
+    factor_reduction: FactorReduction = _DEFAULTS["factor_reduction"]  # type: ignore[assignment]
     allreduce_bucket_cap_mb: float = bounded(25.0, gt=0)
     symmetry_aware: bool = False
     comm_dtype: str | None = None

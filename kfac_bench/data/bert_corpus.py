@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from array import array
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from tokenizers import BertWordPieceTokenizer
 
+from kfac_bench import safe_files
 from kfac_bench.errors import ConfigError, DatasetError
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -167,11 +169,15 @@ def train_tokenizer(
                 f"vocab_size {vocab_size} is smaller than the {tokenizer.get_vocab_size()} tokens "
                 "(special tokens and the corpus's characters) WordPiece needs: raise --vocab-size"
             )
-        (saved,) = tokenizer.save_model(str(out))
-        vocab_path = Path(saved)
+        with (
+            tempfile.TemporaryDirectory() as private
+        ):  # the tokenizer writes by path: a private folder
+            (saved,) = tokenizer.save_model(private)
+            vocab_path = safe_files.write_atomic(out / "vocab.txt", Path(saved).read_bytes())
     elif trainer == "frequency":
-        vocab_path = out / "vocab.txt"
-        vocab_path.write_text("\n".join(_frequency_vocab(files, vocab_size, lowercase)) + "\n")
+        vocab_path = safe_files.write_atomic(
+            out / "vocab.txt", "\n".join(_frequency_vocab(files, vocab_size, lowercase)) + "\n"
+        )
     else:
         raise ConfigError(
             f"unknown vocab trainer '{trainer}': use one of {', '.join(VOCAB_TRAINERS)}"

@@ -36,7 +36,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from kfac_bench.data.bert import HELDOUT_SUBDIR, list_shards
+from kfac_bench import safe_files
+from kfac_bench.data.bert import HELDOUT_SUBDIR
 from kfac_bench.data.bert_corpus import (
     Document,
     Vocab,
@@ -142,7 +143,7 @@ def instances_from_document(
         # Shorter sequences now and then so the model also sees lengths it meets when fine-tuned.
         target_length = rng.randint(2, max_num_tokens)
     instances: list[Instance] = []
-    chunk: list[list[int]] = []
+    chunk: list[Sequence[int]] = []
     chunk_length = 0
     i = 0
     while i < len(document):
@@ -214,13 +215,16 @@ def create_instances(
 
 
 def write_shard(
-    path: Path,
+    folder: safe_files.Folder,
+    name: str,
     instances: Sequence[Instance],
     vocab: Vocab,
     max_seq_length: int,
     max_predictions_per_seq: int,
-) -> None:
-    """Pad ``instances`` and write them as one NVIDIA-layout HDF5 shard (gzip, NVIDIA's dtypes)."""
+) -> Path:
+    """Pad ``instances`` and write them as one NVIDIA-layout HDF5 shard ``name`` of ``folder`` (gzip,
+    NVIDIA's dtypes): an unpredictable temporary file renamed into place, so a crash never leaves a
+    half-written shard that the reader would pick up, and a link at the name is never written through."""
     n = len(instances)
     arrays: dict[str, np.ndarray] = {
         "input_ids": np.full((n, max_seq_length), vocab.pad, dtype=np.int32),
@@ -238,15 +242,22 @@ def write_shard(
         arrays["masked_lm_positions"][row, :num_masked] = inst.masked_positions
         arrays["masked_lm_ids"][row, :num_masked] = inst.masked_labels
         arrays["next_sentence_labels"][row] = int(inst.is_random_next)
-    tmp = path.with_name(path.name + ".tmp")
-    with h5py.File(tmp, "w") as f:
-        for key, dtype in SHARD_DTYPES.items():
-            f.create_dataset(key, data=arrays[key], dtype=dtype, compression="gzip")
-    tmp.replace(path)  # a crash never leaves a half-written shard that the reader would pick up
+    fd, tmp = folder.temp(name, read=True)  # HDF5 reads back what it wrote
+    try:
+        with os.fdopen(fd, "w+b") as raw:
+            with h5py.File(raw, "w") as f:
+                for key, dtype in SHARD_DTYPES.items():
+                    f.create_dataset(key, data=arrays[key], dtype=dtype, compression="gzip")
+            raw.flush()
+        folder.rename(tmp, name)
+    except BaseException:
+        folder.unlink(tmp)
+        raise
+    return folder / name
 
 
 def _write_shards(
-    out_dir: Path,
+    out: safe_files.Folder,
     instances: Sequence[Instance],
     num_shards: int,
     vocab: Vocab,
@@ -255,17 +266,15 @@ def _write_shards(
 ) -> list[Path]:
     if len(instances) < num_shards:
         raise ConfigError(
-            f"only {len(instances)} examples for {num_shards} shards in {out_dir}: "
+            f"only {len(instances)} examples for {num_shards} shards in {out.path}: "
             "lower --num-shards or add text"
         )
     paths = []
-    path = out_dir
+    path = out.path
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
         for k in range(num_shards):
-            path = out_dir / f"part-{k:05d}-of-{num_shards:05d}.hdf5"
-            write_shard(path, instances[k::num_shards], vocab, seq, preds)
-            paths.append(path)
+            path = out / f"part-{k:05d}-of-{num_shards:05d}.hdf5"
+            paths.append(write_shard(out, path.name, instances[k::num_shards], vocab, seq, preds))
     except OSError as err:  # a full disk, a quota, a file where the heldout folder goes
         raise ConfigError(
             f"cannot write {path} ({err.strerror or err}): free space, move what is in the way, "
@@ -302,18 +311,30 @@ def _check_args(
         raise ConfigError(f"vocab_size must be at least 1, got {vocab_size}")
 
 
-def _make_output_dir(out: Path) -> None:
-    """Create ``out`` (and its parents) or say in one line why it cannot be."""
+def _make_output_dir(out: Path) -> safe_files.Folder:
+    """``out`` (created with its parents), open, after a probe that it takes files; or one line why not."""
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".prepare-bert.{os.getpid()}.probe"
-        probe.touch()
-        probe.unlink()
+        folder = safe_files.Folder.open(out, create=True, follow=True)
+    except safe_files.LinkRefused:
+        raise ConfigError(
+            f"--output-dir {out} is not a directory: pass a writable directory (it is created if missing)"
+        ) from None
     except OSError as err:
         raise ConfigError(
             f"--output-dir {out} cannot be used ({err.strerror or err}): "
             "pass a writable directory (it is created if missing)"
         ) from None
+    try:
+        fd, probe = folder.temp("prepare-bert.probe")
+        os.close(fd)
+        folder.unlink(probe)
+    except OSError as err:
+        folder.close()
+        raise ConfigError(
+            f"--output-dir {out} cannot be used ({err.strerror or err}): "
+            "pass a writable directory (it is created if missing)"
+        ) from None
+    return folder
 
 
 def prepare_shards(
@@ -365,7 +386,32 @@ def prepare_shards(
         load_tokenizer(vocab_file, lowercase)  # a bad vocabulary stops the command before any work
     old = _old_shards(out, overwrite)
     count_documents(input_files)  # every input file is UTF-8 text of bounded lines
-    _make_output_dir(out)
+    with _make_output_dir(out) as folder:
+        return _prepare(
+            folder, input_files, old, vocab_file, vocab_size, (max_seq_length, max_predictions_per_seq),
+            (masked_lm_prob, short_seq_prob, dupe_factor), num_shards, seed, heldout_fraction,
+            heldout_shards, lowercase, vocab_trainer,
+        )  # fmt: skip
+
+
+def _prepare(
+    folder: safe_files.Folder,
+    input_files: Sequence[str | os.PathLike[str]],
+    old: list[tuple[str, str]],
+    vocab_file: str | os.PathLike[str] | None,
+    vocab_size: int,
+    sizes: tuple[int, int],
+    masking: tuple[float, float, int],
+    num_shards: int,
+    seed: int,
+    heldout_fraction: float,
+    heldout_shards: int,
+    lowercase: bool,
+    vocab_trainer: str,
+) -> PrepareResult:
+    """:func:`prepare_shards` once its arguments are checked and ``folder`` is open."""
+    out = folder.path
+    masked_lm_prob, short_seq_prob, dupe_factor = masking
     if vocab_file is None:
         tokenizer, vocab_path = train_tokenizer(
             input_files, vocab_size, out, lowercase, vocab_trainer
@@ -378,29 +424,53 @@ def prepare_shards(
     rng.shuffle(documents)
     num_heldout = max(2, round(heldout_fraction * len(documents))) if heldout_fraction > 0 else 0
     heldout_docs, train_docs = documents[:num_heldout], documents[num_heldout:]
-    sizes = (max_seq_length, max_predictions_per_seq)
     train = create_instances(
         train_docs, vocab, *sizes, dupe_factor, rng, masked_lm_prob, short_seq_prob
     )
-    for path in old:  # only now: a failure above leaves the previous shards as they were
-        path.unlink()
-    shards = _write_shards(out, train, num_shards, vocab, *sizes)
+    for sub, name in old:  # only now: a failure above leaves the previous shards as they were
+        if sub:
+            with folder.sub(sub, create=False) as d:  # a link planted at heldout/ is refused
+                d.unlink(name)
+        else:
+            folder.unlink(name)
+    shards = _write_shards(folder, train, num_shards, vocab, *sizes)
     heldout_paths: list[Path] = []
     heldout: list[Instance] = []
     if num_heldout:
         heldout = create_instances(
             heldout_docs, vocab, *sizes, dupe_factor, rng, masked_lm_prob, short_seq_prob
         )
-        heldout_paths = _write_shards(out / HELDOUT_SUBDIR, heldout, heldout_shards, vocab, *sizes)
+        with folder.sub(HELDOUT_SUBDIR) as held:
+            heldout_paths = _write_shards(held, heldout, heldout_shards, vocab, *sizes)
     return PrepareResult(shards, heldout_paths, vocab_path, vocab.size, len(train), len(heldout))
 
 
-def _old_shards(out: Path, overwrite: bool) -> list[Path]:
-    """Shards a previous run left in ``out`` (the reader would mix them with the new ones)."""
-    old: list[Path] = []
-    for d in (out, out / HELDOUT_SUBDIR):
-        with contextlib.suppress(DatasetError):  # no directory or no shards there
-            old += list_shards(d)
+def is_own_output(name: str) -> bool:
+    """Whether ``name`` (in an output folder) is something this module writes: a shard, the held-out
+    folder, the vocabulary, a temporary file a killed run left."""
+    return (
+        _is_shard_name(name)
+        or name in (HELDOUT_SUBDIR, "vocab.txt")
+        or (name.startswith(".") and name.endswith(".tmp"))
+    )
+
+
+def _is_shard_name(name: str) -> bool:
+    return name.endswith((".hdf5", ".h5"))
+
+
+def _old_shards(out: Path, overwrite: bool) -> list[tuple[str, str]]:
+    """(sub-folder, name) of the shards a previous run left in ``out`` and its held-out folder (the
+    reader would mix them with the new ones); names only, read without following a link."""
+    old: list[tuple[str, str]] = []
+    for sub in ("", HELDOUT_SUBDIR):
+        # No directory there: nothing old (a link at heldout/ is refused: LinkRefused).
+        gone = (FileNotFoundError, NotADirectoryError) + (() if sub else (safe_files.LinkRefused,))
+        with (
+            contextlib.suppress(*gone),
+            safe_files.Folder.open(out / sub if sub else out, follow=not sub) as d,
+        ):
+            old += [(sub, n) for n in d.names() if _is_shard_name(n) and d.is_file(n)]
     if old and not overwrite:
         raise ConfigError(
             f"{out} already holds {len(old)} shard files: pass --overwrite or use a new --output-dir"

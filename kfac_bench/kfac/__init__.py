@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .coverage import Coverage
     from .layers import (
+        Conv1dHandler,
         Conv2dHandler,
         Gram,
         LayerHandler,
@@ -43,6 +44,7 @@ __all__ = [
     "STAGES",
     "AssignmentStrategy",
     "ComputeMethod",
+    "Conv1dHandler",
     "Conv2dHandler",
     "Coverage",
     "DistributedStrategy",
@@ -68,6 +70,7 @@ __all__ = [
 #: config errors answer in a fraction of a second.
 _EXPORTS = {
     "Coverage": ".coverage",
+    "Conv1dHandler": ".layers",
     "Conv2dHandler": ".layers",
     "Gram": ".layers",
     "LayerHandler": ".layers",

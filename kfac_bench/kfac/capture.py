@@ -18,7 +18,11 @@ Contract (what a training loop may do):
 * A forward counts only while factors are due, with gradients enabled, in training mode (``module.training``
   of the layer) and outside a backward pass: validation in ``eval()`` mode, forwards under ``no_grad`` and
   the recomputation of non-reentrant activation checkpointing leave factors and counters untouched.
-* A forward whose output is not backpropagated before ``step()`` contributes nothing (not even to A).
+* A call counts in the backward pass that reaches its output (autograd is asked, at the pass's first
+  gradient hook, which nodes it will execute): a forward whose output is not backpropagated before
+  ``step()`` contributes nothing, not to A, G or ``L``, even while its graph is alive; the engine holds
+  the output's autograd node until its gradient arrives or ``step()``, so such a forward's graph lives
+  until ``step()`` (run it under ``no_grad`` or in ``eval()`` mode to free it at once).
 * Activation checkpointing: non-reentrant (``use_reentrant=False``) captures the original forward and skips
   the recomputation; reentrant (``use_reentrant=True``) runs the original forward without gradients, so the
   recomputed forward (inside the backward pass, backpropagated in a nested pass) is the one captured, and
@@ -30,9 +34,10 @@ Contract (what a training loop may do):
   backward pass); a gradient penalty (``autograd.grad(..., create_graph=True)``, then ``backward``) raises,
   naming the two workarounds: its forward in ``eval()`` mode, or penalties on steps without factors.
 * A call with no rows (an MoE expert no token was routed to) is no call: it updates neither factor.
-* Under ``'expand'`` scaling the rows of the Linear-type calls in training mode since the last backward
-  pass (also those run without gradients, as reentrant checkpointing's first forward is) set ``L``, the
-  terms of the next one (:mod:`.factors`).
+* Under ``'expand'`` scaling ``L``, the terms of a backward pass (:mod:`.factors`), is the most rows a
+  Linear-type layer processed in the calls that pass backpropagates; reentrant checkpointing's first
+  forward (run without gradients) counts in the pass that reaches its checkpoint, any other forward without
+  gradients nowhere.
 * A layer's input is its first positional argument or its ``input`` keyword; its examples lie along
   ``batch_dim`` (0, or 1 for sequence-first layers, see ``KFACPreconditioner(batch_dim=...)``).
 
@@ -41,12 +46,14 @@ its precision nor lets its sums overflow; with a loss scaler G is divided by the
 power-of-two scales of ``GradScaler``).
 
 In a distributed run the last backward pass of a step hands each layer to ``on_final`` as soon as all its
-calls have their gradient, so that the reduction of its factors overlaps the rest of the backward pass.
+calls that this pass backpropagates have their gradient, so that the reduction of its factors overlaps the
+rest of the backward pass.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -56,6 +63,7 @@ import torch
 from .batching import PendingGrams
 from .factors import fold
 from .layers import Gram
+from .layers.attention import install_attention_forward
 from .options import FactorScaling
 from .outside import OutsideGradients
 from .state import Call, LayerState
@@ -116,8 +124,13 @@ class Capture:
         self.ever = False
         self._task = -2  # graph task whose end-of-backward callback is queued
         self._touched: list[LayerState] = []
-        #: Rows of each Linear-type layer in the running backward pass: [recorded sum, largest unrecorded].
-        self._rows: dict[str, list[int]] = {}
+        #: ``L`` of the running backward pass (:meth:`terms`), counted when it starts, and its sum over
+        #: the step's backward passes (``'expand'`` normalises G of Linear-type layers with it).
+        self._terms = 0
+        self.step_terms = 0
+        #: Rows of Linear-type calls in reentrant checkpoints' first forwards: (layer, the checkpoint's
+        #: autograd node, weakly, rows), counted in the pass that reaches that node.
+        self._unrecorded: list[tuple[str, weakref.ref[Any], int]] = []
         #: The check for weights that also receive gradient outside their module's call (:mod:`.outside`).
         self.outside = OutsideGradients()
         #: Calls whose grams are computed with their key's other calls (:mod:`.batching`), and how many
@@ -135,7 +148,8 @@ class Capture:
         for layer in self.layers.values():
             layer.calls.clear()
             self._close(layer)
-        self._rows.clear()
+        self._unrecorded.clear()
+        self.step_terms = 0
         self.collecting = collect
         self.backwards = 0
 
@@ -149,6 +163,9 @@ class Capture:
         """Hook ``layer``'s module (keyword inputs included: ``m(input=x)``)."""
         hook = self._forward_hook(layer)
         layer.handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
+        if layer.attention is not None:
+            assert isinstance(layer.attention, torch.nn.MultiheadAttention)
+            layer.handles.append(install_attention_forward(layer.attention))
 
     def _forward_hook(self, layer: LayerState) -> Callable[..., None]:
         def hook(
@@ -167,8 +184,13 @@ class Capture:
                 and isinstance(output, torch.Tensor)
                 and output.grad_fn is not None
             ):
-                if task == -1:  # e.g. reentrant checkpointing's first forward: its rows count in L
-                    self._count_rows(layer, x, recorded=False)
+                if task == -1 and not layer.handler.spatial:
+                    # Reentrant checkpointing's first forward: its rows count in L of the backward pass
+                    # that reaches the checkpoint (the recomputation is not tallied again). Any other
+                    # forward without a graph (under no_grad) never receives a gradient: it counts nowhere.
+                    ctx = _reentrant_checkpoint()
+                    if ctx is not None:
+                        self._unrecorded.append((layer.name, ctx, self._row_count(layer, x, True)))
                 return
             if task != -1 and _recomputing_nonreentrant():
                 return  # the original forward was captured; this recomputation is never backpropagated
@@ -179,8 +201,6 @@ class Capture:
             if self.subset is not None:
                 rows = self.subset.rows(x, self.backwards, layer.handler.spatial)
                 x = x if rows is None else x.index_select(0, rows)
-            if task == -1:
-                self._count_rows(layer, x, recorded=True)
             pos = self._position_rows(layer, output)
             # Under saved-tensor hooks (activation checkpointing, offloading) autograd does not keep the
             # input: holding it for a batch would undo the memory they save, so the call goes alone.
@@ -191,15 +211,18 @@ class Capture:
                 self.batch.record(key, layer, call, x)
             else:
                 call = Call(self._a_gram(layer, module, x, pos, output), rows=rows, positions=pos)
+            node, index, shape = _grad_node(output)
+            call.node = node
+            call.row_count = self._row_count(layer, x, False)
             layer.calls.append(call)
             if task != -1:
                 # Reentrant activation checkpointing recomputes the forward inside the outer backward pass
                 # and backpropagates it in a nested one: the micro-batch is the outer pass.
                 call.nested = True
                 self._enter_backward()
+                call.task = self._task
             if self.outside.active:
                 self.outside.watch(layer, output, x_in)
-            node, index, shape = _grad_node(output)
             # A prehook on the node that produced the output sees dL/d(output) even when the output is
             # later modified in place (e.g. an inplace ReLU), unlike a tensor hook. The output of a Linear on
             # a >= 3-D input is a view of the (N·T, out) product, and an in-place op on a view takes the
@@ -262,9 +285,10 @@ class Capture:
             if call is None or call.done or call not in layer.calls:
                 return
             call.done = True
-            layer.calls.remove(call)
             if not call.nested:
-                self._enter_backward()
+                self._enter_backward()  # first: L of this pass counts this call's rows too
+            layer.calls.remove(call)
+            call.node = None
             g = grad_outputs[index]
             if g is not None:
                 g = g.detach()
@@ -315,9 +339,14 @@ class Capture:
         layer.received = True
 
     def _settle(self, layer: LayerState) -> None:
-        """Once none of the layer's calls waits for a gradient or a batch: fold its group, and in the last
-        backward pass of a step hand it over (the reduction overlaps the rest of the pass)."""
-        if not layer.calls and layer.group and not self._waiting(layer):
+        """Once none of the layer's calls that this pass backpropagates waits for a gradient or a batch:
+        fold its group, and in the last backward pass of a step hand it over (the reduction overlaps the
+        rest of the pass)."""
+        if (
+            layer.group
+            and not any(c.task == self._task for c in layer.calls)
+            and not self._waiting(layer)
+        ):
             self._close(layer)
             if self.backwards == self.accumulation_steps - 1:
                 self.on_final(layer)
@@ -334,35 +363,54 @@ class Capture:
         self._receive(layer, a, g, scale)
         self._settle(layer)
 
-    def _count_rows(self, layer: LayerState, x: torch.Tensor, recorded: bool) -> None:
-        """Tally a Linear-type call's rows for ``L``, the terms of this backward pass (``'expand'``, see
-        :mod:`.factors`): per layer the sum over its recorded calls, or the largest call run without
-        gradients (reentrant checkpointing's first forward; its recomputation is not tallied again)."""
+    def _row_count(self, layer: LayerState, x: torch.Tensor, unrecorded: bool) -> int:
+        """Rows of a Linear-type call for ``L`` (``'expand'``, see :mod:`.factors`); 0 for convolutions.
+        ``x``: the call's input as recorded (after ``factor_batch_fraction``'s draw), or, ``unrecorded``,
+        the whole input of a forward run without gradients (the draw's share of it)."""
         if layer.handler.spatial:
-            return
+            return 0
         n = 1 if x.dim() <= 1 else x.numel() // max(1, x.shape[-1])
-        tally = self._rows.setdefault(layer.name, [0, 0])
-        if recorded:
-            tally[0] += n
-        else:
-            if self.subset is not None and x.dim() > 1:
-                n = (
-                    n
-                    * subset_size(self.subset.fraction, x.shape[layer.batch_dim])
-                    // max(1, x.shape[layer.batch_dim])
-                )
-            tally[1] = max(tally[1], n)
+        if unrecorded and self.subset is not None and x.dim() > 1:
+            n = (
+                n
+                * subset_size(self.subset.fraction, x.shape[layer.batch_dim])
+                // max(1, x.shape[layer.batch_dim])
+            )
+        return n
 
     def terms(self) -> int:
-        """``L`` of the running backward pass: the most rows a Linear-type layer processed (0: none)."""
-        return max((max(t) for t in self._rows.values()), default=0)
+        """``L`` of the running backward pass: the most rows a Linear-type layer processed in the calls
+        this pass backpropagates (0: none)."""
+        return self._terms
 
     def _enter_backward(self) -> None:
-        """Queue the end-of-backward callback once per backward pass."""
+        """At a backward pass's first gradient hook: find the calls it backpropagates (autograd knows
+        which nodes it will execute), count ``L`` from them, and queue the end-of-backward callback."""
         task = _graph_task_id()
-        if task != self._task:
-            self._task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        if task == self._task:
+            return
+        self._task = task
+        tally: dict[str, list[int]] = {}
+        for layer in self.layers.values():
+            for call in layer.calls:
+                if call.task == -2 and not call.nested and _will_execute(call.node):
+                    call.task = task
+                if call.task == task and not call.nested and call.row_count:
+                    tally.setdefault(layer.name, [0, 0])[0] += call.row_count
+        waiting = []
+        for name, ref, n in self._unrecorded:
+            ctx = ref()
+            if ctx is None:
+                continue
+            if _will_execute(ctx):
+                t = tally.setdefault(name, [0, 0])
+                t[1] = max(t[1], n)
+            else:
+                waiting.append((name, ref, n))
+        self._unrecorded = waiting
+        self._terms = max((max(t) for t in tally.values()), default=0)
+        self.step_terms += self._terms
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _backward_done(self) -> None:
         with self.timer(Stage.FACTOR, sync=False):
@@ -370,7 +418,7 @@ class Capture:
         for layer in self._touched:
             self._close(layer)
         self._touched.clear()
-        self._rows.clear()
+        self._terms = 0
         self.backwards += 1
         self.ever = True
         self._task = -2
@@ -415,6 +463,43 @@ def _second_pass_message(name: str, create_graph: bool) -> str:
         "(backward(retain_graph=True), then backward again): .grad holds the sum of both "
         "gradients but G only the first one's; add the losses and call backward() once"
     )
+
+
+def _will_execute(node: Any) -> bool:
+    """Whether the running backward pass will execute autograd ``node`` (reach it from its roots)."""
+    if node is None:
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except (
+        AttributeError,
+        RuntimeError,
+    ):  # pragma: no cover - other torch versions: assume it does
+        return True
+
+
+def _checkpoint_forward_code() -> Any:
+    from torch.utils import checkpoint
+
+    fn = getattr(checkpoint, "CheckpointFunction", None)
+    return getattr(getattr(fn, "forward", None), "__code__", None)
+
+
+_CHECKPOINT_FORWARD = _checkpoint_forward_code()
+
+
+def _reentrant_checkpoint() -> weakref.ref[Any] | None:
+    """Inside reentrant activation checkpointing's first forward (``CheckpointFunction.forward``, run
+    without gradients): a weak reference to its autograd node (the ``ctx`` of that frame), else None."""
+    frame = sys._getframe(1)
+    depth = 0
+    while frame is not None and depth < 64:
+        if frame.f_code is _CHECKPOINT_FORWARD:
+            ctx = frame.f_locals.get("ctx")
+            return None if ctx is None else weakref.ref(ctx)
+        frame = frame.f_back  # type: ignore[assignment]
+        depth += 1
+    return None
 
 
 def _recomputing_nonreentrant() -> bool:

@@ -1,8 +1,9 @@
 """Collectives for distributed K-FAC over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
 
 Three kinds of traffic (TPDS §4.3; KAISA §3.1):
-    * batch factors averaged across ranks (all-reduce, or reduce to the rank that decomposes them), in
-      buckets of at most ``bucket_cap_mb``, optionally as packed upper triangles and in a lower precision;
+    * batch factors reduced across ranks, weighted by rows, over the ranks that ran each layer (all-reduce,
+      or reduce to the rank that decomposes them; :class:`StepReduction`), in buckets of at most
+      ``bucket_cap_mb``, optionally as packed upper triangles and in a lower precision;
     * decompositions broadcast inside a layer's gradient-worker block on decomposition steps;
     * preconditioned gradients broadcast inside receiver groups every step when ``m < world``.
 
@@ -65,11 +66,13 @@ def unpack_triu(v: torch.Tensor, n: int) -> torch.Tensor:
 
 @dataclass
 class Bucket:
-    """Factors sent together in one collective: their keys, the reduce target, elements on the wire."""
+    """Factors sent together in one collective: their keys, the reduce target, elements on the wire (the
+    factors, then one weight per factor and the rank's loss terms, see :class:`StepReduction`)."""
 
     keys: list[str] = field(default_factory=list)
     dst: int | None = None  # None: all-reduce
     numel: int = 0
+    dims: list[int] = field(default_factory=list, compare=False)
 
 
 def factor_entries(
@@ -92,17 +95,22 @@ def make_buckets(
 ) -> list[Bucket]:
     """The factor buckets: consecutive ``(key, dim, dst)`` entries with the same ``dst`` grouped while they
     fit ``bucket_cap_mb`` at ``element_size`` bytes per element (a factor larger than the cap gets its own
-    bucket). ``numel`` counts ``d²`` per factor, ``d(d+1)/2`` with ``symmetry_aware``."""
+    bucket). ``numel`` counts ``d²`` per factor, ``d(d+1)/2`` with ``symmetry_aware``, plus one weight per
+    factor and one for the rank's loss terms (the cap applies to the factors)."""
     cap = bucket_cap_mb * 2**20
     buckets: list[Bucket] = []
+    size = 0  # factor elements of the last bucket
     for key, dim, dst in entries:
         numel = dim * (dim + 1) // 2 if symmetry_aware else dim * dim
         b = buckets[-1] if buckets else None
-        if b is None or b.dst != dst or (b.keys and (b.numel + numel) * element_size > cap):
-            b = Bucket(dst=dst)
+        if b is None or b.dst != dst or (b.keys and (size + numel) * element_size > cap):
+            b = Bucket(dst=dst, numel=1)
             buckets.append(b)
+            size = 0
         b.keys.append(key)
-        b.numel += numel
+        b.dims.append(dim)
+        b.numel += numel + 1
+        size += numel
     return buckets
 
 
@@ -112,29 +120,46 @@ class InFlight:
     its flat buffer and the collective's handle."""
 
     bucket: Bucket
-    dims: list[int]
     dtype: torch.dtype
     flat: torch.Tensor
     work: dist.Work
 
 
 class StepReduction:
-    """One step's averaging of batch factors across ranks, overlapping the backward pass.
+    """One step's reduction of batch factors across ranks, weighted by rows, overlapping the backward pass.
+
+    Each rank's factor ``F`` enters the sum with a weight ``c``: its count (the rows or examples it was
+    normalised by, :class:`~.state.Accumulator`), or for the keys in ``by_terms`` (the G of Linear-type
+    layers under ``'expand'``) the rank's loss terms ``terms`` (``L`` summed over its backward passes).
+    The result is ``Σ c F / Σ c``, the sum over the ranks that ran the layer, or over all ranks for
+    ``by_terms``: the factors of one process on the pooled batch, for uneven per-rank batches and for
+    layers that ran on some ranks only (an MoE expert no token of a rank reached). A bucket carries its
+    factors times their weights, zeros for a factor this rank lacks, then the weights and ``terms``: its size
+    is fixed by the plan, so every rank sends the same collectives whatever ran where, and a factor whose
+    weights sum to 0 (no rank ran its layer) is left out of the result.
 
     Buckets follow a fixed plan, the same on every rank. A bucket is launched (asynchronously) as soon as
     all its factors have been added and every earlier bucket has been launched, so the launch order is
     identical on every rank even if factors became ready in a different order. Launching packs the bucket's
     factors into one flat buffer and drops them: from then on only that buffer holds them. :meth:`finish`
-    launches what is left (with only the factors present: a layer that did not run is absent on every rank
-    alike), waits, and returns ``key -> averaged factor`` for all-reduced keys and keys reduced to this rank,
-    averaged in the buffer itself and viewed out of it where the layout allows.
+    launches what is left, waits, and returns ``key -> reduced factor`` for all-reduced keys and keys
+    reduced to this rank, viewed out of the buffer where the layout allows.
     """
 
-    def __init__(self, comm: Communicator, plan: list[Bucket]) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        plan: list[Bucket],
+        by_terms: frozenset[str] = frozenset(),
+        terms: int = 0,
+    ) -> None:
         self.comm = comm
         self.plan = plan
-        #: Batch factors added but not yet packed into a launched bucket.
+        self.by_terms = by_terms
+        self.terms = terms
+        #: Batch factors added but not yet packed into a launched bucket, and their weights.
         self.tensors: dict[str, torch.Tensor] = {}
+        self.weights: dict[str, float] = {}
         self.next = 0
         self.pending: list[InFlight] = []
 
@@ -146,18 +171,20 @@ class StepReduction:
         """Bytes of the flat buffers of the launched buckets, not yet finished."""
         return tensor_bytes(*(f.flat for f in self.pending))
 
-    def add(self, key: str, tensor: torch.Tensor) -> None:
+    def add(self, key: str, tensor: torch.Tensor, count: int = 1) -> None:
         """A factor is final for this step: launch every bucket that is now complete, in plan order."""
-        self.hold(key, tensor)
+        self.hold(key, tensor, count)
         while self.next < len(self.plan) and all(
             k in self.tensors for k in self.plan[self.next].keys
         ):
             self._launch(self.plan[self.next])
             self.next += 1
 
-    def hold(self, key: str, tensor: torch.Tensor) -> None:
-        """A factor is final for this step, to be sent by :meth:`finish` (launches nothing now)."""
+    def hold(self, key: str, tensor: torch.Tensor, count: int = 1) -> None:
+        """A factor is final for this step, to be sent by :meth:`finish` (launches nothing now); ``count``:
+        its weight (see the class docstring; ``terms`` replaces it for ``by_terms`` keys)."""
         self.tensors[key] = tensor
+        self.weights[key] = float(self.terms if key in self.by_terms else count)
 
     def finish(self) -> dict[str, torch.Tensor]:
         """Launch what is left, wait, and unpack."""
@@ -165,38 +192,66 @@ class StepReduction:
             local, self.tensors = self.tensors, {}
             return local
         for b in self.plan[self.next :]:
-            present = [k for k in b.keys if k in self.tensors]
-            if present:
-                self._launch(Bucket(present, b.dst))
+            self._launch(b)
         self.next = len(self.plan)
-        out: dict[str, torch.Tensor] = {}
-        while self.pending:  # each bucket released as soon as it is unpacked
-            f = self.pending.pop(0)
+        mine = []
+        for f in self.pending:
             f.work.wait()
             if f.bucket.dst is None or f.bucket.dst == self.comm.rank:
-                out.update(self._unpack(f))
+                mine.append(f)
+        self.pending = []
+        if not mine:
+            return {}
+        # The weights of every bucket in one host read (one synchronisation on CUDA).
+        tails = torch.cat([f.flat[-len(f.bucket.keys) - 1 :].to(torch.float64) for f in mine])
+        sums = tails.tolist()
+        out: dict[str, torch.Tensor] = {}
+        offset = 0
+        for f in mine:  # each bucket released as soon as it is unpacked
+            n = len(f.bucket.keys)
+            out.update(self._unpack(f, sums[offset : offset + n], sums[offset + n]))
+            offset += n + 1
         return out
 
-    def _unpack(self, f: InFlight) -> dict[str, torch.Tensor]:
-        """The averaged factors of a finished bucket: the sum divided in place (in a factor-dtype copy when
-        it travelled in another dtype), full factors as views of it, triangles unpacked into new matrices."""
+    def _unpack(self, f: InFlight, weights: list[float], terms: float) -> dict[str, torch.Tensor]:
+        """The reduced factors of a finished bucket: each weighted sum divided by its summed weights (in a
+        factor-dtype copy when it travelled in another dtype), full factors as views of the buffer,
+        triangles unpacked into new matrices; factors no rank ran are left out."""
         flat = f.flat if f.flat.dtype == f.dtype else f.flat.to(f.dtype)
-        flat.div_(self.comm.world_size)
         out = {}
         offset = 0
-        for key, d in zip(f.bucket.keys, f.dims):
+        for key, d, w in zip(f.bucket.keys, f.bucket.dims, weights):
             n = d * (d + 1) // 2 if self.comm.symmetry_aware else d * d
             part = flat[offset : offset + n]
             offset += n
+            if w <= 0:
+                continue
+            part.div_(terms if key in self.by_terms else w)
             out[key] = unpack_triu(part, d) if self.comm.symmetry_aware else part.view(d, d)
         return out
 
     def _launch(self, b: Bucket) -> None:
-        tensors = [self.tensors.pop(k) for k in b.keys]
-        flat, work = self.comm._launch(b, tensors)
-        self.pending.append(
-            InFlight(b, [t.shape[0] for t in tensors], tensors[0].dtype, flat, work)
-        )
+        present = [k for k in b.keys if k in self.tensors]
+        like = self.tensors[present[0]] if present else None
+        tensors = []
+        weights = []
+        for k, d in zip(b.keys, b.dims):
+            t = self.tensors.pop(k, None)
+            w = self.weights.pop(k, 0.0) if t is not None else 0.0
+            if t is None:
+                t = (
+                    torch.zeros(d, d, dtype=like.dtype, device=like.device)
+                    if like is not None
+                    else torch.zeros(d, d, dtype=self.comm.factor_dtype, device=self.comm.device)
+                )
+            elif w != 1.0:
+                t = t.mul_(w)
+            tensors.append(t)
+            weights.append(w)
+        dtype = tensors[0].dtype
+        tail = torch.tensor([*weights, float(self.terms)], dtype=dtype, device=tensors[0].device)
+        flat, work = self.comm._launch(b, tensors, tail)
+        self.pending.append(InFlight(b, dtype, flat, work))
 
 
 class Communicator:
@@ -219,6 +274,7 @@ class Communicator:
         self.bucket_cap_mb = bucket_cap_mb
         self.symmetry_aware = symmetry_aware
         self.comm_dtype = comm_dtype
+        self.factor_dtype = torch.float32
         self.counts: Counter[str] = Counter()
         #: Bytes of the tensors the collectives of each kind carried, tallied on every rank that took part
         #: (a broadcast counts its payload on the sender and on every receiver).
@@ -267,23 +323,31 @@ class Communicator:
 
     # ---------------------------------------------------------------- factors
     def set_buckets(
-        self, entries: Sequence[tuple[str, int, int | None]], element_size: int
+        self,
+        entries: Sequence[tuple[str, int, int | None]],
+        element_size: int,
+        factor_dtype: torch.dtype = torch.float32,
     ) -> None:
         """Fix the factor buckets (:func:`make_buckets`): ``(key, dim, dst)`` in backward order (the order
         factors become ready, :func:`factor_entries`), ``element_size`` that of the factor dtype."""
         self.buckets: list[Bucket] = make_buckets(
             entries, element_size, self.bucket_cap_mb, self.symmetry_aware
         )
+        self.factor_dtype = factor_dtype
 
-    def start_reduction(self) -> StepReduction:
-        """A new step's factor reduction over the planned buckets."""
-        return StepReduction(self, getattr(self, "buckets", []))
+    def start_reduction(
+        self, by_terms: frozenset[str] = frozenset(), terms: int = 0
+    ) -> StepReduction:
+        """A new step's factor reduction over the planned buckets (weights: :class:`StepReduction`)."""
+        return StepReduction(self, getattr(self, "buckets", []), by_terms, terms)
 
-    def _launch(self, b: Bucket, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dist.Work]:
-        """Pack ``tensors`` (the factors of ``b``, in its key order) into one flat buffer, start its
-        collective, and return both."""
+    def _launch(
+        self, b: Bucket, tensors: Sequence[torch.Tensor], tail: torch.Tensor
+    ) -> tuple[torch.Tensor, dist.Work]:
+        """Pack ``tensors`` (the factors of ``b``, in its key order) and ``tail`` (their weights and the
+        rank's terms) into one flat buffer, start its collective, and return both."""
         parts = [pack_triu(t) if self.symmetry_aware else t.reshape(-1) for t in tensors]
-        flat = torch.cat(parts)
+        flat = torch.cat([*parts, tail])
         if self.comm_dtype is not None:
             flat = flat.to(self.comm_dtype)
         kind = "factor_allreduce" if b.dst is None else "factor_reduce"

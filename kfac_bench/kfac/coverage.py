@@ -4,6 +4,9 @@ Reasons a module is left out (keys of :attr:`Coverage.left_out`):
 
 ``skipped_by_rule``      matched ``skip_layers``
 ``unsupported_type``     holds a weight matrix or kernel, but no handler is registered for its type
+``not_a_weight_matrix``  holds only ≥2-D tensors with a dimension of size 1, broadcast against activations
+                         (a class token, a position embedding, a layer scale): not weight matrices (not in
+                         ``eligible_params``), no Kronecker factors; they keep their plain gradient
 ``subclass_own_forward`` a subclass of a registered type that overrides ``forward`` (timm's ``Conv2dSame``,
                          ``StdConv2d``): its base's handler would model another computation; register one
 ``grouped_conv``         a grouped or depthwise ``Conv2d`` (its Fisher block is not modelled)
@@ -42,6 +45,7 @@ from typing import Any
 REASONS = (
     "skipped_by_rule",
     "unsupported_type",
+    "not_a_weight_matrix",
     "subclass_own_forward",
     "grouped_conv",
     "used_functionally",
@@ -134,6 +138,7 @@ class Coverage:
 
 
 _LABELS = {
+    "not_a_weight_matrix": "not weight matrices (token, position embedding, layer scale: plain gradient)",
     "subclass_own_forward": "subclass with its own forward — register a handler",
     "eval_mode": "in eval() mode while training",
     "read_outside_call": "gradient also from outside its module's call",

@@ -14,6 +14,7 @@ decomposition failed even in float64.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -54,6 +55,9 @@ class Curvature:
         self._announced = False
         #: Non-finite batch factors skipped since the last check, per group of layers (:mod:`.groups`).
         self._flags: dict[tuple[str, ...], torch.Tensor] = {}
+        #: ``'expand'``'s loss terms of the running step on this rank (set by the preconditioner to
+        #: :attr:`.capture.Capture.step_terms`).
+        self.step_terms: Callable[[], int] = lambda: 0
 
     # ------------------------------------------------------------------ stage 1: factors
     def factors_final(self, layer: LayerState) -> None:
@@ -61,11 +65,28 @@ class Curvature:
         if not self.comm.distributed:
             return
         if self._step_reduction is None:
-            self._step_reduction = self.comm.start_reduction()
+            self._step_reduction = self._start_reduction()
         for kind, acc in ((Factor.G, layer.g_batch), (Factor.A, layer.a_batch)):
-            f = acc.pop(self.scaling, kind is Factor.G)
+            count = acc.count
+            f = acc.pop(self.scaling, kind is Factor.G, self._count(layer, kind))
             if f is not None:
-                self._step_reduction.add(f"{layer.name}/{kind}", f)
+                self._step_reduction.add(f"{layer.name}/{kind}", f, count)
+
+    def _by_terms(self, layer: LayerState) -> bool:
+        """Whether the layer's G is normalised by the step's loss terms (Linear-type under ``'expand'``)."""
+        return self.scaling is FactorScaling.EXPAND and not layer.spatial
+
+    def _count(self, layer: LayerState, kind: Factor) -> int | None:
+        """The count G is normalised with where it is not the layer's own: ``'expand'``'s ``L`` summed over
+        every backward pass of the step, also those the layer sat out (an MoE expert no token reached in
+        one micro-batch is still a layer of that micro-batch's loss)."""
+        if kind is Factor.G and self._by_terms(layer):
+            return self.step_terms() or None
+        return None
+
+    def _start_reduction(self) -> StepReduction:
+        by_terms = frozenset(f"{n}/{Factor.G}" for n, s in self.layers.items() if self._by_terms(s))
+        return self.comm.start_reduction(by_terms, self.step_terms())
 
     def reduction_bytes(self) -> tuple[int, int]:
         """Bytes of this step's reduction: batch factors handed to it and not yet packed (their bucket is
@@ -76,7 +97,7 @@ class Curvature:
     def update_factors(self, decay: float) -> None:
         """Batch factors of this step -> averaged across ranks -> folded into the running averages."""
         reduction, self._step_reduction = self._step_reduction, None
-        reduction = reduction or self.comm.start_reduction()
+        reduction = reduction or self._start_reduction()
         with self.timer(Stage.FACTOR):
             scales = self._hand_over(reduction)
         with self.timer(Stage.FACTOR_COMM):
@@ -91,15 +112,16 @@ class Curvature:
         scales: dict[str, float] = {}
         for name, layer in self.layers.items():
             for kind, acc in ((Factor.A, layer.a_batch), (Factor.G, layer.g_batch)):
+                count, n = acc.count, self._count(layer, kind)
                 if self.comm.distributed:
-                    f = acc.pop(self.scaling, kind is Factor.G)
+                    f = acc.pop(self.scaling, kind is Factor.G, n)
                 else:
-                    popped = acc.pop_unscaled(self.scaling, kind is Factor.G)
+                    popped = acc.pop_unscaled(self.scaling, kind is Factor.G, n)
                     f = None if popped is None else popped[0]
                     if popped is not None:
                         scales[f"{name}/{kind}"] = popped[1]
                 if f is not None:
-                    reduction.hold(f"{name}/{kind}", f)
+                    reduction.hold(f"{name}/{kind}", f, count)
         return scales
 
     def _update_running_factors(

@@ -57,6 +57,8 @@ class OutsideGradients:
         weight, _ = layer.handler.parameters(layer.module)
         if not weight.requires_grad or not weight.is_leaf:
             return
+        if getattr(layer.handler, "shares_parameter", False):
+            return  # its parameter also feeds sibling layers by design (attention's packed projections)
         acc = torch.autograd.graph.get_gradient_edge(weight).node
         if layer.name not in self._watched:
             self._watched[layer.name] = (acc, acc.register_prehook(self._total(layer.name)))

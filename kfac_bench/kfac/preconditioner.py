@@ -32,7 +32,7 @@ from .comm import Communicator, factor_entries
 from .coverage import Coverage
 from .curvature import Curvature
 from .gradients import Gradients
-from .layers import handler_for
+from .layers import AttentionProjection, handler_for
 from .log import WarnOnce, logger
 from .options import (
     AssignmentStrategy,
@@ -54,8 +54,9 @@ __all__ = ["STAGES", "KFACPreconditioner", "resolve_dtypes"]
 
 
 class KFACPreconditioner:
-    """Distributed K-FAC preconditioner for the ``nn.Linear`` and ``nn.Conv2d`` layers of a model (and any
-    layer type registered with :func:`~kfac_bench.kfac.register_layer_type`).
+    """Distributed K-FAC preconditioner for the ``nn.Linear``, ``nn.Conv2d``, ``nn.Conv1d`` and
+    ``nn.MultiheadAttention`` layers of a model (and any layer type registered with
+    :func:`~kfac_bench.kfac.register_layer_type`).
 
     ``step()`` rewrites the ``.grad`` of every registered layer with its K-FAC preconditioned (and KL-clipped)
     gradient; any optimizer then applies it. Other parameters keep their plain gradients.
@@ -237,6 +238,7 @@ class KFACPreconditioner:
             subset=self._example_subset(factor_batch_fraction),
             positions=self._position_subset(factor_position_fraction),
         )
+        self.curvature.step_terms = lambda: self.capture.step_terms
         self.capture.start_step(is_due(self.factor_update_steps, 0))
         self.capture.outside.start()
 
@@ -262,7 +264,9 @@ class KFACPreconditioner:
             self.layers[name].work = work
         self.comm.set_groups(plan)
         entries = factor_entries(plan, self.factor_reduction is FactorReduction.REDUCE)
-        self.comm.set_buckets(entries, torch.empty((), dtype=self.factor_dtype).element_size())
+        self.comm.set_buckets(
+            entries, torch.empty((), dtype=self.factor_dtype).element_size(), self.factor_dtype
+        )
 
     def _placement(self, world_size: int) -> dict[str, asg.LayerWork]:
         """Where each layer's work runs on ``world_size`` ranks: :func:`~.assignment.assign`, the rule
@@ -297,8 +301,9 @@ class KFACPreconditioner:
             )
         step = self.steps
         with self._following_changes() as changed:
+            evaluating = self._layers_in_eval_mode()
             if self.capture.collecting:
-                self._check_micro_batches()
+                self._check_micro_batches(bool(evaluating))
                 if self.capture.outside.active:
                     self._leave_out_read_outside()
             if is_due(self.factor_update_steps, step):  # 1. factors
@@ -306,14 +311,40 @@ class KFACPreconditioner:
             if is_due(self.inv_update_steps, step):  # 2. second order
                 self.curvature.update_second_order(resolve(self.damping, step))
                 self._check_runtime_coverage()
-            raw = self.gradients.raw(skip=changed)  # 3. precondition
+            raw = self.gradients.raw(skip=changed | evaluating)  # 3. precondition
             grads = self.gradients.precondition(raw, resolve(self.damping, step))
             # 4. KL clip, write
             self.gradients.clip_and_write(grads, raw, self.kl_clip, self.lr, step)
         self.steps += 1
         self.capture.start_step(is_due(self.factor_update_steps, self.steps))
 
-    def _check_micro_batches(self) -> None:
+    def _layers_in_eval_mode(self) -> set[str]:
+        """The layers in ``eval()`` mode whose weight has a gradient (``model.train(False)`` mid-run): their
+        forwards are not recorded, so they keep their plain gradient in this step and ``coverage()`` reports
+        them as ``eval_mode``; warned once, naming them."""
+        found = set()
+        for name, layer in self.layers.items():
+            evaluating = (
+                not layer.module.training and layer.handler.grad(layer.module, False) is not None
+            )
+            layer.eval_mode = evaluating
+            if evaluating:
+                found.add(name)
+        if found and self.comm.rank == 0:
+            shown = sorted(found)
+            self._warn(
+                "eval_mode",
+                "K-FAC: %d layer(s) are in eval() mode while their weights get gradients (%s%s): eval-mode "
+                "forwards are not recorded (validation), so their factors would not follow the training; "
+                "they keep their plain gradients and coverage() reports them as eval_mode. Call "
+                "model.train() before training forwards (keep dropout or BatchNorm in eval() per module)",
+                len(found),
+                ", ".join(shown[:3]),
+                f", +{len(shown) - 3} more" if len(shown) > 3 else "",
+            )
+        return found
+
+    def _check_micro_batches(self, evaluating: bool = False) -> None:
         """A clear error for ``step()`` before any backward; a warning once if the count looks wrong."""
         backwards = self.capture.backwards
         if self.layers and not self.capture.ever:
@@ -322,7 +353,7 @@ class KFACPreconditioner:
                 "loss.backward() on a training-mode forward (model.train(), gradients enabled) first (if "
                 "the model reads every K-FAC layer's weight functionally, skip them with skip_layers)"
             )
-        if backwards != self.accumulation_steps:
+        if backwards != self.accumulation_steps and not (evaluating and backwards == 0):
             self._warn(
                 "micro_batches",
                 "K-FAC: %d backward passes reached the K-FAC layers before step() %d, but "
@@ -395,7 +426,7 @@ class KFACPreconditioner:
         now: it is registered again at the end of the next ``step()``)."""
         not_ready: dict[str, str] = {}
         for n, s in self.layers.items():
-            reason = s.left_out or s.not_ready_reason
+            reason = s.left_out or ("eval_mode" if s.eval_mode else None) or s.not_ready_reason
             if reason is not None:
                 not_ready[n] = reason
         scan = self._scan
@@ -415,6 +446,7 @@ class KFACPreconditioner:
             spec.bias,
             batch_dim=batch_dim_of(spec, self.batch_dim),
             param_id=id(spec.handler.parameters(spec.module)[0]),
+            attention=spec.attention,
         )
 
     def _trainable_now(self) -> dict[str, tuple[bool, bool]]:
@@ -456,7 +488,13 @@ class KFACPreconditioner:
     def _replaced(self, name: str, layer: LayerState) -> bool:
         """Whether the model no longer holds ``layer``'s module under its name with the same weight."""
         try:
-            module = self.model.get_submodule(name)
+            if isinstance(layer.module, AttentionProjection):  # not in the tree: its owner is
+                owner = self.model.get_submodule(name.rpartition(".")[0])
+                if owner is not layer.module.owner:
+                    return True
+                module: nn.Module = layer.module
+            else:
+                module = self.model.get_submodule(name)
             weight = layer.handler.parameters(module)[0]
         except (AttributeError, AssertionError):
             return True
@@ -551,8 +589,9 @@ class KFACPreconditioner:
             return
         for layer in self.layers.values():
             if layer.not_ready_reason == "did_not_run" and not layer.received:
-                weight, _ = layer.handler.parameters(layer.module)
-                if weight.grad is not None:
+                # A zero-filled .grad (an idle expert's, filled by the loop) says nothing ran through it.
+                grad = layer.handler.grad(layer.module, False)
+                if grad is not None and bool(grad.any()):
                     # Hooks record training-mode forwards only: a submodule in eval() is not functional.
                     training = layer.module.training
                     layer.not_ready_reason = "used_functionally" if training else "eval_mode"

@@ -18,10 +18,12 @@ from torch import nn
 
 from .coverage import Coverage
 from .layers import LayerHandler, handler_for, overrides_forward
+from .layers.attention import PARTS, projections
 from .log import logger
 
 #: Module types whose forward reads their child layers' weights directly (functionally), so the children's
-#: hooks never fire: ``F.multi_head_attention_forward`` uses ``out_proj.weight``.
+#: hooks never fire: ``F.multi_head_attention_forward`` uses ``out_proj.weight``. An attention module that
+#: is registered (:func:`expands_attention`) runs the engine's forward instead, where ``out_proj`` is called.
 FUNCTIONAL_PARENTS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 
 #: The same for classes of other libraries, known by ``(module, class name)`` (the engine imports only
@@ -68,6 +70,9 @@ class LayerSpec:
     module: nn.Module = field(repr=False, compare=False)
     handler: LayerHandler = field(repr=False, compare=False)
     batch_dim: int = 0
+    #: The ``nn.MultiheadAttention`` that must run the engine's forward for this layer's hooks to fire
+    #: (its q/k/v projections and its ``out_proj``, :mod:`.layers.attention`); None for other layers.
+    attention: nn.Module | None = field(default=None, repr=False, compare=False)
 
     @property
     def spatial(self) -> bool:
@@ -123,16 +128,20 @@ def scan_model(model: nn.Module, skip_layers: Sequence[str | re.Pattern[str]] = 
     holders: dict[int, list[str]] = {}  # parameter id -> modules holding it directly
     functional: set[str] = set()
     sequence_first: set[str] = set()
+    attention: dict[str, nn.MultiheadAttention] = {}
     trainable = {id(p): p.numel() for _, m in modules for p in _own(m) if p.requires_grad}
     eligible: dict[int, int] = {}
     for name, module in modules:
         own = _own(module)
         for p in own:
             holders.setdefault(id(p), []).append(name)
-        if any(p.requires_grad and p.dim() >= 2 for p in own):
+        registered = handler_for(module) is not None
+        if _matrices(module) or (registered and any(p.requires_grad and p.dim() >= 2 for p in own)):
             eligible.update((id(p), p.numel()) for p in own if p.requires_grad)
         prefix = f"{name}." if name else ""
-        if isinstance(module, FUNCTIONAL_PARENTS):
+        if isinstance(module, nn.MultiheadAttention) and expands_attention(module, name, rules):
+            attention[name] = module
+        elif isinstance(module, FUNCTIONAL_PARENTS):
             functional.update(prefix + child for child, _ in module.named_modules())
         for cls in type(module).__mro__:
             for child in FUNCTIONAL_CHILDREN.get((cls.__module__, cls.__name__), ()):
@@ -142,9 +151,38 @@ def scan_model(model: nn.Module, skip_layers: Sequence[str | re.Pattern[str]] = 
         if isinstance(module, SEQUENCE_FIRST_PARENTS) and not _batch_first(module):
             sequence_first.update(prefix + child for child, _ in module.named_modules())
     scan = ModelScan([], {}, {}, Counter(), sum(trainable.values()), sum(eligible.values()), {})
+    # The engine's attention forward feeds its projections and out_proj batch first.
+    sequence_first -= {
+        f"{n}." * bool(n) + c for n, m in attention.items() for c, _ in m.named_modules()
+    }
+    owner_of = {f"{n}." * bool(n) + "out_proj": (n, m) for n, m in attention.items()}
     for name, module in modules:
-        _classify(scan, name, module, rules, functional, holders, sequence_first)
+        skipped = isinstance(module, nn.MultiheadAttention) and name not in attention
+        if skipped and handler_for(projections(module)[0]) is not None:
+            scan.left_out.setdefault("skipped_by_rule", []).append(
+                name
+            )  # registered, skipped by a rule
+            continue
+        if name not in attention:  # an attention module's blocks are its projections (below)
+            _classify(
+                scan, name, module, rules, functional, holders, sequence_first, owner_of.get(name)
+            )
+        else:
+            assert isinstance(module, nn.MultiheadAttention)
+            for proj in projections(module):
+                part = f"{name}." * bool(name) + f"{PARTS[proj.part]}_proj"
+                _classify(scan, part, proj, rules, functional, holders, set(), (name, module))
     return scan
+
+
+def expands_attention(
+    module: nn.MultiheadAttention, name: str, rules: Sequence[re.Pattern[str]]
+) -> bool:
+    """Whether an attention module's projections are registered layers (the projection type has a handler
+    and no ``skip_layers`` rule matches the module's name or class)."""
+    if handler_for(projections(module)[0]) is None:
+        return False
+    return not any(r.search(name) or r.search(type(module).__name__) for r in rules)
 
 
 def batch_dim_of(spec: LayerSpec, option: int | Mapping[str, int] | None) -> int:
@@ -181,17 +219,31 @@ def _classify(
     functional: set[str],
     holders: dict[int, list[str]],
     sequence_first: set[str],
+    owner: tuple[str, nn.Module] | None = None,
 ) -> None:
-    """Add ``module`` to the scan: as a layer, as left out with a reason, or not at all."""
+    """Add ``module`` to the scan: as a layer, as left out with a reason, or not at all. ``owner``: the
+    attention module (name, module) whose forward feeds it (its parameters are not tied to it)."""
     handler = handler_for(module)
     if handler is None:
-        if any(p.requires_grad and p.dim() >= 2 for p in _own(module)):
+        own = [p for p in _own(module) if p.requires_grad and p.dim() >= 2]
+        if _matrices(module):
             if overrides_forward(module):
                 scan.left_out.setdefault("subclass_own_forward", []).append(name)
                 scan.details[name] = OWN_FORWARD
                 return
             scan.unsupported_types[type(module).__name__] += 1
             scan.left_out.setdefault("unsupported_type", []).append(name)
+            why = next((w for t, w in _UNSUPPORTED_WHY.items() if isinstance(module, t)), None)
+            if why is not None:
+                scan.details[name] = f"unsupported type ({why})"
+        elif own:
+            names = [n for n, p in module._parameters.items() if any(p is q for q in own)]
+            scan.left_out.setdefault("not_a_weight_matrix", []).append(name)
+            scan.details[name] = (
+                f"not a weight matrix ({', '.join(names)}: added or scaled elementwise, like a class "
+                "token, a position embedding or a layer scale; K-FAC has no Kronecker factors for it, "
+                "so it keeps its plain gradient and there is nothing to register)"
+            )
         return
     if any(r.search(name) or r.search(type(module).__name__) for r in rules):
         scan.left_out.setdefault("skipped_by_rule", []).append(name)
@@ -206,7 +258,8 @@ def _classify(
         if reason is None and name in functional:
             reason = "used functionally"
         others = sorted(
-            {n for p in (weight, bias) if p is not None for n in holders.get(id(p), [])} - {name}
+            {n for p in (weight, bias) if p is not None for n in holders.get(id(p), [])}
+            - {name, owner[0] if owner else name}
         )
         if reason is None and others:
             scan.tied[name] = others
@@ -214,7 +267,7 @@ def _classify(
         if reason is None:
             use_bias = bias is not None and bias.requires_grad
             a_dim, g_dim = handler.dims(module, use_bias)
-            params = weight.numel() + (bias.numel() if use_bias and bias is not None else 0)
+            params = a_dim * g_dim  # the block: weight and bias column
             spec = LayerSpec(
                 name,
                 type(module).__name__,
@@ -225,6 +278,7 @@ def _classify(
                 module,
                 handler,
                 batch_dim=1 if name in sequence_first else 0,
+                attention=owner[1] if owner else None,
             )
             scan.layers.append(spec)
             return
@@ -233,6 +287,37 @@ def _classify(
     key = reason.split(" (")[0].replace(" ", "_")
     scan.left_out.setdefault(key, []).append(name)
     scan.details[name] = reason
+
+
+#: Why common layer types have no handler (the scan's detail for them, docs/engine.md "Layer types").
+_UNSUPPORTED_WHY: dict[type[nn.Module], str] = {
+    nn.Conv3d: "a Conv3d's patches are 3-D; the engine's exact patch kernels are 2-D",
+    nn.modules.conv._ConvTransposeNd: (
+        "a transposed convolution's patches are those of its input dilated by the stride and its "
+        "weight is (in, out, ...); no handler models that"
+    ),
+    nn.Embedding: "a lookup, not a product with its input rows: no input factor",
+}
+
+
+def _matrix(name: str, p: torch.Tensor) -> bool:
+    """Whether a parameter of a module without a handler is a weight matrix or kernel as such: at least
+    2-D, and named a weight or without a dimension of size 1. Other tensors with one (a ``(1, 1, d)`` class
+    token, a ``(1, T, d)`` position embedding, a ``(C, 1, 1)`` layer scale) are broadcast against
+    activations: added or scaled elementwise."""
+    return p.dim() >= 2 and ("weight" in name or 1 not in p.shape)
+
+
+def _matrices(module: nn.Module) -> list[nn.Parameter]:
+    """The trainable weight matrices and kernels a module holds itself (:func:`_matrix`)."""
+    return [
+        p
+        for n, p in module._parameters.items()
+        if p is not None
+        and p.requires_grad
+        and not isinstance(p, nn.parameter.UninitializedParameter)
+        and _matrix(n, p)
+    ]
 
 
 def _own(module: nn.Module) -> list[nn.Parameter]:
@@ -285,7 +370,7 @@ def structure(model: nn.Module) -> tuple[tuple[object, ...], ...]:
         cls = type(module)
         if cls not in known:
             known[cls] = handler_for(module) is not None
-        if not lazy and not known[cls]:
+        if not lazy and not known[cls] and not isinstance(module, nn.MultiheadAttention):
             continue
         weight = getattr(module, "weight", None)
         ident: object = id(own) if isinstance(own, nn.Parameter) else type(weight).__name__
@@ -321,6 +406,13 @@ def log_scan(scan: ModelScan, coverage: Coverage) -> None:
             ", ".join(repr(n) for n in sorted(holders) if n in scan.tied),
         )
     logger.info("%s", coverage)
+    why: dict[str, list[str]] = {}
+    for key in ("unsupported_type", "not_a_weight_matrix"):
+        for name in scan.left_out.get(key, ()):
+            if name in scan.details:
+                why.setdefault(scan.details[name], []).append(name or "(root)")
+    for reason, names in why.items():
+        logger.info("K-FAC: left out (plain gradient) %s: %s", ", ".join(names), reason)
     if coverage.below_threshold:
         logger.warning(
             "K-FAC covers only %.1f%% of the parameters in weight matrices/kernels (threshold %.0f%%): "
@@ -340,4 +432,13 @@ def _advice(coverage: Coverage) -> str:
             "skip_layers leaves layers out: if that is intended, lower coverage_threshold (or revise "
             "skip_layers)"
         )
-    return "register the model's layer types with kfac_bench.kfac.register_layer_type or revise skip_layers"
+    left = coverage.left_out
+    if "unsupported_type" in left or "subclass_own_forward" in left:
+        return (
+            "register the model's layer types with kfac_bench.kfac.register_layer_type (docs/engine.md, "
+            "'Your own layer') or revise skip_layers"
+        )
+    return (
+        "what is left out has no K-FAC block the engine can compute (reasons above); lower "
+        "coverage_threshold if that is expected"
+    )

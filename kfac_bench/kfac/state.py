@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -15,6 +15,12 @@ from .factors import normalise, normaliser
 from .layers import Gram, LayerHandler
 from .options import Factor, FactorScaling
 from .second_order import Parts, Result
+
+
+class Removable(Protocol):
+    """A handle with ``remove()`` (a hook's, or the attention forward's, :mod:`.layers.attention`)."""
+
+    def remove(self) -> None: ...
 
 
 @dataclass
@@ -36,21 +42,29 @@ class Accumulator:
             self.total.add_(weighted_sum, alpha=weight)
         self.count += count
 
-    def pop(self, scaling: FactorScaling, is_g: bool) -> torch.Tensor | None:
+    def pop(
+        self, scaling: FactorScaling, is_g: bool, count: int | None = None
+    ) -> torch.Tensor | None:
         """The normalised batch factor, in the accumulated sum's own buffer (None if nothing was
-        accumulated); resets the accumulator."""
+        accumulated), normalised with ``count`` in place of the accumulated one when given; resets the
+        accumulator."""
         if self.total is None:
             return None
-        out = normalise(self.total, self.count, scaling, is_g, self.weight)
+        out = normalise(
+            self.total, self.count if count is None else count, scaling, is_g, self.weight
+        )
         self.total, self.count, self.weight = None, 0, 1.0
         return out
 
-    def pop_unscaled(self, scaling: FactorScaling, is_g: bool) -> tuple[torch.Tensor, float] | None:
-        """``(sum, scale)`` whose product is :meth:`pop`'s batch factor, left for the caller to apply (to
-        many factors in one op); resets the accumulator."""
+    def pop_unscaled(
+        self, scaling: FactorScaling, is_g: bool, count: int | None = None
+    ) -> tuple[torch.Tensor, float] | None:
+        """``(sum, scale)`` whose product is :meth:`pop`'s batch factor (``count`` as there), left for the
+        caller to apply (to many factors in one op); resets the accumulator."""
         if self.total is None:
             return None
-        out = (self.total, self.weight * normaliser(self.count, scaling, is_g))
+        n = self.count if count is None else count
+        out = (self.total, self.weight * normaliser(n, scaling, is_g))
         self.total, self.count, self.weight = None, 0, 1.0
         return out
 
@@ -71,6 +85,13 @@ class Call:
     # Batched calls: the batch key and what the batch holds for the call until its key is computed.
     key: Any = None
     held: Any = None
+    # The autograd node whose gradient is the call's output gradient: a backward pass counts the call
+    # (rows in L, its G) only if it executes this node. Dropped once the gradient arrived.
+    node: Any = None
+    # Rows of a Linear-type call, for L (0 for convolutions).
+    row_count: int = 0
+    # The backward pass that delivers its gradient (-2: not known yet).
+    task: int = -2
 
 
 @dataclass
@@ -100,13 +121,18 @@ class LayerState:
     ready: bool = False
     # Why the layer is not ready after a decomposition step: "did_not_run" or "decomposition_failed".
     not_ready_reason: str | None = None
-    handles: list[RemovableHandle] = field(default_factory=list)
+    handles: list[RemovableHandle | Removable] = field(default_factory=list)
     # Whether an output gradient ever reached the layer's hooks (run-time coverage).
     received: bool = False
     # A run-time reason to leave the layer out for good (a ``Coverage`` key, e.g. "read_outside_call").
     left_out: str | None = None
     # ``id`` of the weight parameter it was registered with (a pruned or replaced weight differs).
     param_id: int = 0
+    # The attention module that runs the engine's forward while this layer is registered (its q/k/v
+    # projections and out_proj, see :mod:`.layers.attention`); None for other layers.
+    attention: nn.Module | None = None
+    # In eval() mode while its weight had a gradient at the last step() (kept its plain gradient).
+    eval_mode: bool = False
 
     @property
     def spatial(self) -> bool:

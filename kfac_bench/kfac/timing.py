@@ -30,16 +30,31 @@ STAGES = tuple(s.value for s in Stage)
 class StageTimer:
     """Cumulative seconds per stage; a no-op unless ``enabled``. While ``torch.profiler`` records, each
     stage is also a ``kfac::<stage>`` range of the trace, so a profile attributes ops to stages
-    (``benchmarks/ops.py``)."""
+    (``benchmarks/ops.py``).
+
+    Timing costs the device no synchronisation: on CUDA a stage is bracketed by two CUDA events recorded on
+    the current stream, and their elapsed time is read later: events that completed are collected when
+    the next stage starts (``query()``, which never blocks), the rest when :attr:`seconds` is read (an
+    interval boundary: a summary or a checkpoint, where the loop has synchronised the device already). On
+    the CPU a stage is its host time.
+    """
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self.seconds = dict.fromkeys(STAGES, 0.0)
+        self._seconds = dict.fromkeys(STAGES, 0.0)
+        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Stage -> seconds so far (waits for the stages still in flight on the device)."""
+        self._collect(wait=True)
+        return self._seconds
 
     @contextlib.contextmanager
     def __call__(self, name: Stage, sync: bool = True) -> Iterator[None]:
-        """Add the block's wall time to stage ``name``. ``sync=False`` (inside hooks, where synchronising
-        CUDA per layer would stall the pipeline) measures host time only, exact on CPU."""
+        """Add the block's time to stage ``name``: device time between two CUDA events where CUDA is in
+        use, else host time. ``sync=False`` (inside hooks, per layer) measures host time only, exact on
+        CPU."""
         label = (
             torch.profiler.record_function(f"kfac::{name.value}")
             if torch.autograd.profiler._is_profiler_enabled
@@ -49,15 +64,27 @@ class StageTimer:
             if not self.enabled:
                 yield
                 return
-            if sync:
-                _sync()
+            if sync and torch.cuda.is_available() and torch.cuda.is_initialized():
+                self._collect(wait=False)
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                yield
+                end.record()
+                self._pending.append((name.value, start, end))
+                return
             t0 = time.perf_counter()
             yield
-            if sync:
-                _sync()
-            self.seconds[name.value] += time.perf_counter() - t0
+            self._seconds[name.value] += time.perf_counter() - t0
 
-
-def _sync() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+    def _collect(self, wait: bool) -> None:
+        """Add the elapsed time of the event pairs that completed (``wait``: of all, waiting for them)."""
+        keep = []
+        for name, start, end in self._pending:
+            if wait:
+                end.synchronize()
+            elif not end.query():
+                keep.append((name, start, end))
+                continue
+            self._seconds[name] += start.elapsed_time(end) / 1000.0
+        self._pending = keep

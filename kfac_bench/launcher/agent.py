@@ -14,12 +14,16 @@ with these differences:
   when the marker is there.
 * A rank's one-line user error (exit 2 on every rank) stays exit 2.
 * The ranks die with this process: a SIGKILL of the agent (which releases the run directory's lock) kills
-  them too, so none trains on unsupervised beside a second run (:mod:`kfac_bench.launcher.lifeline`).
+  them too, so none trains on unsupervised beside a second run (:mod:`kfac_bench.launcher.agent_tie`).
 
 ``launcher=torchrun`` calls :func:`run_torchrun` in the Hydra job's process; ``launch/slurm.sbatch`` and
 ``launch/torchrun_multinode.sh`` start this module on every node, which first checks the config (bounds,
 targets, device), that no other run holds the run directory and that its recorded config matches, so a
-mistake is one line before any rank starts.
+mistake is one line before any rank starts. A mistake every node finds alike (the composed config, the
+run directory's lock, links and recorded config, a world that cannot keep the run's global batch) is
+printed by the first task of the ``srun`` step only (``SLURM_PROCID`` 0): every node's agent stops with its
+status, and the job's one output file holds the line once, not once per node. A node's own devices are
+checked and reported on each node.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Any
 
 from kfac_bench.errors import UserError
 from kfac_bench.launcher import rundir
-from kfac_bench.launcher.lifeline import AGENT_PID_ENV
+from kfac_bench.launcher.agent_tie import AGENT_PID_ENV
 from kfac_bench.launcher.signals import EXIT_REQUEUE, PreemptionFlag
 
 __all__ = [
@@ -222,17 +226,39 @@ def _preflight(args: Sequence[str], run_dir: Path) -> Any:
 
     flags, overrides = _train_args(args)
     overrides = [o for o in overrides if not o.startswith("hydra.")]
-    cfg = compose_run(overrides, config_dirs=config_dirs_of(flags))
-    world = job_world(cfg, torchrun_args=args)  # one reading for both checks
-    check_run(cfg, world_size=world.size)
-    rundir.probe_lock(run_dir)
-    rundir.check_planted(run_dir)
-    rundir.check_config(run_dir, cfg)
-    if world.fixed:
-        from kfac_bench.checkpoint.elastic import check_launch
+    with _said_once():
+        cfg = compose_run(overrides, config_dirs=config_dirs_of(flags))
+        world = job_world(cfg, torchrun_args=args)  # one reading for both checks
+    check_run(cfg, world_size=world.size)  # this node's devices: each node reports its own
+    with _said_once():  # the shared run directory: every node finds the same
+        rundir.probe_lock(run_dir)
+        rundir.check_planted(run_dir)
+        rundir.check_config(run_dir, cfg)
+        if world.fixed:
+            from kfac_bench.checkpoint.elastic import check_launch
 
-        check_launch(run_dir, cfg, world.size)  # before this node starts a rank
+            check_launch(run_dir, cfg, world.size)  # before this node starts a rank
     return cfg
+
+
+class _SaidByFirstNode(UserError):
+    """A user error that the first node's agent prints; this node stops with its status, silently."""
+
+    def __init__(self, exc: UserError) -> None:
+        super().__init__(str(exc))
+        self.exit_code = exc.exit_code
+
+
+@contextlib.contextmanager
+def _said_once() -> Any:
+    """Turn a user error that every node finds alike into :class:`_SaidByFirstNode` on every task of the
+    ``srun`` step but the first, whose output goes into the same job output file."""
+    try:
+        yield
+    except UserError as exc:
+        if os.environ.get("SLURM_PROCID", "0") != "0":
+            raise _SaidByFirstNode(exc) from None
+        raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -247,7 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rundir.check_run_dir_path(run_dir)
         _preflight(args, run_dir)
     except UserError as exc:
-        print(f"kfac-bench: error: {exc}", file=sys.stderr, flush=True)
+        if not isinstance(exc, _SaidByFirstNode):
+            print(f"kfac-bench: error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     return run_torchrun(args, run_dir)
 

@@ -40,6 +40,11 @@ class DistEnv:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     source: str = "single"
+    #: A rank of a job that torchrun or SLURM started (even a job of one rank): it trains, and leaves
+    #: launching to whoever started it.
+    launched: bool = False
+    #: Supervised by torchrun's elastic agent, which restarts a rank that fails.
+    elastic: bool = False
 
     @property
     def distributed(self) -> bool:
@@ -66,9 +71,13 @@ def first_host(nodelist: str) -> str:
 
 
 def detect(env: Mapping[str, str] | None = None) -> DistEnv:
-    """The job layout described by ``env`` (default: ``os.environ``)."""
+    """The job layout described by ``env`` (default: ``os.environ``): the one reading of "am I a rank of a
+    launched job, which, and under whom"."""
     env = os.environ if env is None else env
     port = int(env.get("MASTER_PORT", "29500"))
+    elastic = "TORCHELASTIC_RUN_ID" in env
+    slurm_tasks = int(env.get("SLURM_NTASKS", "1"))
+    launched = elastic or "RANK" in env or slurm_tasks > 1
     if "RANK" in env and "WORLD_SIZE" in env:
         return DistEnv(
             rank=int(env["RANK"]),
@@ -77,18 +86,22 @@ def detect(env: Mapping[str, str] | None = None) -> DistEnv:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=port,
             source="torchrun",
+            launched=True,
+            elastic=elastic,
         )
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+    if "SLURM_PROCID" in env and slurm_tasks > 1:
         addr = env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
         return DistEnv(
             rank=int(env["SLURM_PROCID"]),
             local_rank=int(env.get("SLURM_LOCALID", "0")),
-            world_size=int(env["SLURM_NTASKS"]),
+            world_size=slurm_tasks,
             master_addr=addr,
             master_port=port,
             source="slurm",
+            launched=True,
+            elastic=elastic,
         )
-    return DistEnv()
+    return DistEnv(launched=launched, elastic=elastic)
 
 
 def setup(env: DistEnv, device: torch.device) -> None:

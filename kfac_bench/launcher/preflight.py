@@ -85,10 +85,10 @@ def job_world(cfg: Any, torchrun_args: Sequence[str] | None = None) -> JobWorld:
     if torchrun_args is not None:
         return _torchrun_world(torchrun_args)
     from kfac_bench.launcher.distributed import detect
-    from kfac_bench.launcher.torchrun import inside_launched_worker
 
-    if inside_launched_worker():
-        return JobWorld(detect().world_size)
+    env = detect()
+    if env.launched:
+        return JobWorld(env.world_size)
     launcher = cfg.launcher
     if str(getattr(launcher.name, "value", launcher.name)) == "torchrun":
         return JobWorld(int(launcher.nproc_per_node))

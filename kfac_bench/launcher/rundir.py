@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kfac_bench import safe_files
 from kfac_bench.config import flat_config
+from kfac_bench.config.schema import RunConfig
 from kfac_bench.errors import ConfigError, UserError
 
 __all__ = [
@@ -52,10 +53,12 @@ __all__ = [
     "config_drift",
     "lock",
     "locked_by_launcher",
+    "make_run_dir",
     "mark_diverged",
     "mark_preempted",
     "probe_lock",
     "record_config",
+    "record_hydra",
     "release",
     "was_preempted",
 ]
@@ -63,6 +66,8 @@ __all__ = [
 LOCK_FILE = "run.lock"
 CONFIG_FILE = "config.yaml"
 PREEMPTED_FILE = "preempted"
+#: Hydra's record of the job (config, Hydra's own config, the command line's overrides), as Hydra writes it.
+HYDRA_RECORD = ".hydra"
 DIVERGED_FILE = "diverged"
 #: Set by a launching process that holds the lock for its ranks (the value is the run directory).
 LOCKED_ENV = "KFAC_BENCH_LOCKED_RUN_DIR"
@@ -213,23 +218,13 @@ def probe_lock(run_dir: Path) -> None:
     """
     run_dir = Path(run_dir).resolve()
     path = run_dir / LOCK_FILE
-    if run_dir in _held or not path.is_file():
+    if run_dir in _held:
         return
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return  # missing, or a link: lock() refuses it
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if safe_files.lock_held(path):
         raise UserError(
             f"run dir {run_dir} is in use by another run ({_holder_text(path)}); wait for it to "
             "end or choose another hydra.run.dir"
-        ) from None
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        )
 
 
 def locked_by_launcher(run_dir: Path, env: Mapping[str, str] | None = None) -> bool:
@@ -239,10 +234,12 @@ def locked_by_launcher(run_dir: Path, env: Mapping[str, str] | None = None) -> b
     return held is not None and Path(held).resolve() == Path(run_dir).resolve()
 
 
-def _plain(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
-    if isinstance(cfg, DictConfig):
-        return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
-    return dict(cfg)
+def _plain(cfg: RunConfig | DictConfig | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(cfg, Mapping) and not isinstance(cfg, DictConfig):
+        return dict(cfg)
+    # A composed config (typed as RunConfig), or a RunConfig built in code.
+    node = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
+    return OmegaConf.to_container(node, resolve=True, enum_to_str=True)  # type: ignore[return-value]
 
 
 def config_drift(
@@ -260,7 +257,7 @@ def config_drift(
     return drift
 
 
-def check_config(run_dir: Path, cfg: DictConfig | Mapping[str, Any]) -> None:
+def check_config(run_dir: Path, cfg: RunConfig | DictConfig | Mapping[str, Any]) -> None:
     """Stop if ``run_dir`` records a run with another config.
 
     Raises:
@@ -269,11 +266,7 @@ def check_config(run_dir: Path, cfg: DictConfig | Mapping[str, Any]) -> None:
     """
     path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
-        resume = (
-            OmegaConf.select(cfg, "train.resume", default=True)
-            if isinstance(cfg, DictConfig)
-            else ((cfg.get("train") or {}).get("resume", True))
-        )
+        resume = (_plain(cfg).get("train") or {}).get("resume", True)
         if resume and _holds_checkpoints(Path(run_dir)):
             raise ConfigError(
                 f"run dir {Path(run_dir).resolve()} holds checkpoints but no {CONFIG_FILE}: the config "
@@ -307,12 +300,46 @@ def _holds_checkpoints(run_dir: Path) -> bool:
     )
 
 
-def record_config(run_dir: Path, cfg: DictConfig) -> None:
+def record_config(run_dir: Path, cfg: DictConfig | RunConfig) -> None:
     """Write ``config.yaml`` (resolved), atomically."""
     safe_files.write_atomic(Path(run_dir) / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True))
 
 
-def claim(run_dir: Path, cfg: DictConfig) -> None:
+def make_run_dir(run_dir: Path) -> Path:
+    """``run_dir``, created with its parents if missing, checked writable; returns it resolved.
+
+    Raises:
+        UserError: it cannot be created, or is not writable (one line).
+    """
+    run_dir = Path(run_dir).resolve()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(
+            f"cannot create run dir {run_dir}: {exc.strerror or exc}; choose a writable hydra.run.dir"
+        ) from None
+    if not os.access(run_dir, os.W_OK):
+        raise UserError(f"run dir {run_dir} is not writable; choose a writable hydra.run.dir")
+    return run_dir
+
+
+def record_hydra(run_dir: Path, cfg: DictConfig) -> None:
+    """Write Hydra's record of the job (``cfg`` with its ``hydra`` section) into ``hydra.output_subdir``
+    (``.hydra/``; none when it is null): ``config.yaml`` (the job's config as composed, unresolved),
+    ``hydra.yaml`` and ``overrides.yaml``, as Hydra's own runner writes them, through
+    :mod:`kfac_bench.safe_files` (no link followed). Call it once the directory is claimed."""
+    subdir = OmegaConf.select(cfg, "hydra.output_subdir")
+    if subdir is None:
+        return
+    folder = safe_files.ensure_dir(Path(run_dir) / str(subdir))
+    job = OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k != "hydra"])
+    safe_files.write_atomic(folder / "config.yaml", OmegaConf.to_yaml(job))
+    safe_files.write_atomic(folder / "hydra.yaml", OmegaConf.to_yaml({"hydra": cfg.hydra}))
+    overrides = OmegaConf.to_container(cfg.hydra.overrides.task)
+    safe_files.write_atomic(folder / "overrides.yaml", OmegaConf.to_yaml(overrides))
+
+
+def claim(run_dir: Path, cfg: DictConfig | RunConfig) -> None:
     """Make ``run_dir`` this run's: take the lock, check that no name it writes is a planted link and that
     ``checkpoints/`` holds only the run's own checkpoints, that the run there did not diverge and that the
     config is the recorded one, remove temporary files a killed writer left, record the config, and remove
@@ -322,13 +349,14 @@ def claim(run_dir: Path, cfg: DictConfig) -> None:
         UserError: the directory is in use, not writable, holds a diverged run, or records another config
             (one line).
     """
+    check_planted(run_dir)  # before the lock file too: a refused run dir is left as it was
     lock(run_dir)
     try:
-        check_planted(run_dir)
+        check_planted(run_dir)  # again, under the lock
         from kfac_bench.checkpoint.files import check_folder
 
         check_folder(Path(run_dir) / "checkpoints")  # one the run did not write: before any work
-        if OmegaConf.select(cfg, "train.resume", default=True):
+        if (_plain(cfg).get("train") or {}).get("resume", True):
             check_not_diverged(run_dir)
         else:
             (Path(run_dir) / DIVERGED_FILE).unlink(missing_ok=True)  # the run starts over

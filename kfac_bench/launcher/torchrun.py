@@ -1,25 +1,25 @@
 """``launcher=torchrun``: start the run's ranks on this machine through ``torch.distributed.run``.
 
-The parent process (the Hydra job) owns the run directory (it holds its lock,
-:mod:`kfac_bench.launcher.rundir`); it re-invokes ``kfac-bench train`` with the same overrides in every rank,
-pointed at that directory (``hydra.run.dir``), so all ranks share one run and a restarted rank
-(``--max-restarts``) resumes from its checkpoint. Preemption signals reach the ranks through
-:mod:`kfac_bench.launcher.agent`.
+The parent process (the job) owns the run directory (it holds its lock, :mod:`kfac_bench.launcher.rundir`)
+and has recorded the job's composed config there (``config.yaml``); every rank runs
+``kfac-bench train --rank-of DIR``, which trains that recorded config, so all ranks share one run and one
+config, and a restarted rank (``--max-restarts``) resumes from its checkpoint. Preemption signals reach
+the ranks through :mod:`kfac_bench.launcher.agent`.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
 from kfac_bench.config import hydra_quote
 
 __all__ = [
     "JOB_ENV_KEYS",
+    "RANK_OF_FLAG",
     "hydra_quote",
-    "inside_launched_worker",
     "launch_torchrun",
     "outside_job_env",
     "run_dir_override",
@@ -34,14 +34,12 @@ JOB_ENV_KEYS = (
     "TORCHELASTIC_RUN_ID",
     "SLURM_NTASKS",
     "SLURM_PROCID",
-    "KFAC_BENCH_AGENT_PID",  # kfac_bench.launcher.lifeline.AGENT_PID_ENV
+    "KFAC_BENCH_AGENT_PID",  # kfac_bench.launcher.agent_tie.AGENT_PID_ENV
 )
 
 
-def inside_launched_worker(env: Mapping[str, str] | None = None) -> bool:
-    """Whether this process is already a rank of a torchrun/SLURM job (then it just trains)."""
-    env = os.environ if env is None else env
-    return "TORCHELASTIC_RUN_ID" in env or "RANK" in env or int(env.get("SLURM_NTASKS", "1")) > 1
+#: ``kfac-bench train --rank-of DIR``: a rank of the run its launcher prepared in DIR.
+RANK_OF_FLAG = "--rank-of"
 
 
 def outside_job_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -62,13 +60,10 @@ def run_dir_override(run_dir: str | Path) -> str:
 
 
 def torchrun_args(
-    overrides: Sequence[str],
-    run_dir: Path,
-    nproc_per_node: int,
-    max_restarts: int,
-    monitor_interval: float,
+    run_dir: Path, nproc_per_node: int, max_restarts: int, monitor_interval: float
 ) -> list[str]:
-    """Arguments of ``torch.distributed.run`` that start ``nproc_per_node`` ranks of this run."""
+    """Arguments of ``torch.distributed.run`` that start ``nproc_per_node`` ranks of the run prepared in
+    ``run_dir``."""
     return [
         "--standalone",
         f"--nproc-per-node={nproc_per_node}",
@@ -77,26 +72,20 @@ def torchrun_args(
         "-m",
         "kfac_bench.cli",
         "train",
-        *overrides,
-        run_dir_override(Path(run_dir).resolve()),
-        # The parent already saved the job's config; ranks must not write the same files at once.
-        "hydra.output_subdir=null",
+        RANK_OF_FLAG,
+        str(Path(run_dir).resolve()),
     ]
 
 
 def launch_torchrun(
-    overrides: Sequence[str],
-    run_dir: Path,
-    nproc_per_node: int,
-    max_restarts: int,
-    monitor_interval: float,
+    run_dir: Path, nproc_per_node: int, max_restarts: int, monitor_interval: float
 ) -> int:
     """Run the ranks to completion under :func:`kfac_bench.launcher.agent.run_torchrun`, which forwards
     SIGTERM/SIGUSR1/SIGUSR2 to them; returns 0, 75 (:data:`kfac_bench.launcher.signals.EXIT_REQUEUE`) if
     they stopped for preemption with a checkpoint, 2 for a user error in the ranks, else 1."""
     from kfac_bench.launcher.agent import run_torchrun
 
-    args = torchrun_args(overrides, run_dir, nproc_per_node, max_restarts, monitor_interval)
+    args = torchrun_args(run_dir, nproc_per_node, max_restarts, monitor_interval)
     return run_torchrun(args, Path(run_dir).resolve())
 
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from kfac_bench.metrics import sinks
 from kfac_bench.metrics.mlperf import MLPERF_FILE, MLPerfLog, RunFacts
 from kfac_bench.metrics.progress import Progress
-from kfac_bench.metrics.timekeeping import Clock, StageTimes, Throughput
+from kfac_bench.metrics.timekeeping import Clock, StageTotals, Throughput
 from kfac_bench.metrics.trackers import Tracker, hparams, summary_metrics
 
 __all__ = ["Recorder", "RunProgress"]
@@ -59,7 +59,7 @@ class Recorder:
         self,
         run_dir: Path,
         state: RunProgress,
-        stages: StageTimes,
+        stages: StageTotals,
         primary: str,
         total_steps: int,
         *,

@@ -4,7 +4,6 @@ line a run prints when it ends."""
 from __future__ import annotations
 
 import json
-import os
 import resource
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,12 +17,12 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "CAMPAIGN_ENV",
     "STATUSES",
     "SUMMARY_FILE",
     "arm_label",
     "campaign",
     "first_order",
+    "label_of_arm",
     "peak_memory_bytes",
     "read_summary",
     "report_line",
@@ -35,18 +34,13 @@ SUMMARY_FILE = "summary.json"
 #: success: target met (or none set and the run finished); target_not_reached: finished below target;
 #: diverged: a non-finite loss stopped it; preempted: stopped by a signal, resumable.
 STATUSES = ("success", "target_not_reached", "diverged", "preempted")
-#: The Hydra sweep folder of the ``--multirun`` job this process runs (set by ``kfac-bench train`` for
-#: each sweep job, inherited by the ranks it starts): the run's campaign when ``train.campaign`` is unset.
-CAMPAIGN_ENV = "KFAC_BENCH_SWEEP_DIR"
 
 
 def campaign(config: dict[str, Any]) -> str | None:
-    """The campaign a run belongs to (``compare`` never pools two): ``train.campaign``, else the sweep
-    folder of a ``--multirun`` job (:data:`CAMPAIGN_ENV`), else None."""
+    """The campaign a run belongs to (``compare`` never pools two): ``train.campaign``, which a
+    ``--multirun`` sweep sets to its folder unless the command line names one."""
     given = (config.get("train") or {}).get("campaign")
-    if given is not None:
-        return str(given)
-    return os.environ.get(CAMPAIGN_ENV) or None
+    return None if given is None else str(given)
 
 
 def peak_memory_bytes(device: torch.device) -> dict[str, int]:
@@ -191,13 +185,22 @@ def arm_label(summary: dict[str, Any]) -> str:
     """ "SGD", "SGD + K-FAC (COMM-OPT)", "LAMB + K-FAC (HYBRID-OPT 0.5)", ... from a run's summary."""
     config = summary.get("config") or {}
     optimizer = config.get("optimizer") or {}
-    name = str(optimizer.get("name", "?"))
-    label = _OPTIMIZERS.get(name.lower(), name)
-    if optimizer.get("nesterov"):
+    kfac = config.get("kfac") or {}
+    return label_of_arm(
+        str(optimizer.get("name", "?")),
+        bool(optimizer.get("nesterov")),
+        None if first_order(summary) else kfac.get("grad_worker_fraction", "comm_opt"),
+    )
+
+
+def label_of_arm(optimizer: str, nesterov: bool, grad_worker_fraction: Any | None) -> str:
+    """An arm's label from its optimizer and its K-FAC strategy (``grad_worker_fraction``; None: no
+    K-FAC)."""
+    label = _OPTIMIZERS.get(optimizer.lower(), optimizer)
+    if nesterov:
         label += " (Nesterov)"
-    if not first_order(summary):
-        kfac = config.get("kfac") or {}
-        label += f" + K-FAC ({_strategy(kfac.get('grad_worker_fraction', 'comm_opt'))})"
+    if grad_worker_fraction is not None:
+        label += f" + K-FAC ({_strategy(grad_worker_fraction)})"
     return label
 
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Clock", "StageTimes", "StepTimer", "TargetTracker", "Throughput", "percentile"]
+__all__ = ["Clock", "StageTotals", "StepTimer", "TargetTracker", "Throughput", "percentile"]
 
 
 class Clock:
@@ -175,7 +175,7 @@ class StepTimer:
         }
 
 
-class StageTimes:
+class StageTotals:
     """Seconds per K-FAC stage over the whole run: what earlier processes of the run measured (restored from
     the checkpoint) plus what ``precond.stage_times()`` measured in this one.
 

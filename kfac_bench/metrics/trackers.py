@@ -33,6 +33,7 @@ HTTP client retries once with a 4 s timeout unless ``MLFLOW_HTTP_REQUEST_MAX_RET
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import secrets
@@ -255,6 +256,9 @@ class MLflowTracker:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         for key, value in MLFLOW_HTTP_DEFAULTS.items():
             os.environ.setdefault(key, value)
+        # urllib3 logs each retry of an unreachable server as a warning, which the job's logging prints
+        # on stdout among the run's lines; the failure itself is reported once, in one line.
+        logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
         saved = _saved(self.run_dir)
         same_store = saved.get("mlflow_uri", uri) == uri
         try:
@@ -402,7 +406,10 @@ def open_tracker(
     Raises:
         UserError: the tracker cannot be opened (one line naming the fix).
     """
-    kinds = {"mlflow": MLflowTracker, "wandb": WandbTracker}
+    kinds: dict[str, type[MLflowTracker] | type[WandbTracker]] = {
+        "mlflow": MLflowTracker,
+        "wandb": WandbTracker,
+    }
     if kind not in kinds:
         return None
     tracker = kinds[kind](run_dir, config, uri, project, environment)

@@ -51,13 +51,16 @@ MASKRCNN_SKIP_LAYERS: tuple[str, ...] = (
 
 def _read_state_dict(path: Path) -> Mapping[str, torch.Tensor]:
     """Read a state_dict, unwrapping ``{"state_dict": ...}`` / ``{"model": ...}`` and ``module.``."""
+    from kfac_bench.checkpoint import torchfile
+
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises several unrelated types for a file it cannot read
+        # Tensors and containers only: a file that would run code is refused, never loaded.
+        obj = torchfile.load(path, what="model.backbone_weights")
+    except (OSError, torchfile.UnreadableFile) as err:
         raise ConfigError(
-            f"model.backbone_weights='{path}' is not a readable torch state_dict ({type(err).__name__}); "
+            f"model.backbone_weights='{path}' is not a readable torch state_dict ({err}); "
             "save one with torch.save(resnet50(...).state_dict(), PATH)"
-        ) from err
+        ) from None
     for key in ("state_dict", "model"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]

@@ -5,7 +5,8 @@ scan and settings) → :mod:`.costs` (per-rank memory, traffic and decomposition
 fraction × placement × factor reduction, with the engine's ``assign`` and ``make_buckets``) → :mod:`.timing`
 and :mod:`.profile` (seconds per stage) → :mod:`.report` and :mod:`.plot` (``plan.json``, the table,
 ``plan.png``); :mod:`.reference` sets KAISA Table 5 beside the reference code's layout;
-:mod:`.time_to_solution` projects the minutes to the end of training per world size and arm from a profile
-(:mod:`.stage_profile`) and the arms' recipes (:mod:`.length`). It imports the engine, configs, data and
-models, never the training loop.
+:mod:`.time_to_solution` projects the minutes to the end of training per world size and arm, with a band,
+from a profile (:mod:`.stage_profile`, read by :mod:`.safe_yaml`), the cluster it names (:mod:`.cluster`,
+derived by :mod:`.calibrate`), the network model (:mod:`.network`) and the arms' recipes (:mod:`.length`);
+:mod:`.tts_render` prints it. It imports the engine, configs, data and models, never the training loop.
 """

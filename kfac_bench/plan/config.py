@@ -9,6 +9,7 @@ checks names and types against the dataclass); the rest composes the training co
 # ruff: noqa: UP006, UP035
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import List
@@ -24,6 +25,15 @@ PREFIX = "plan."
 #: The largest world size the planner takes: it evaluates every rank of every row, so its time and memory
 #: grow with the world size (seconds at this size; a billion ranks would need tens of GB).
 MAX_WORLD_SIZE = 16384
+#: The longest arm the planner takes, in epochs or steps (a bound, not a limit of any real run).
+MAX_LENGTH = 10_000_000
+#: Upper bounds of the numeric plan keys (GiB per GPU, seconds of profiling, GB/s, µs).
+FLOAT_LIMITS = {
+    "memory_budget_gb": 1e6,
+    "profile_seconds": 86_400.0,
+    "bandwidth_gb_s": 1e5,
+    "latency_us": 1e6,
+}
 
 
 @dataclass
@@ -49,6 +59,10 @@ class PlanConfig:
             (:mod:`kfac_bench.plan.stage_profile`); the time to solution is projected from it.
         baseline: the baseline arm's recipe (default: ``<recipe>_<optimizer>``).
         dataset_size: training examples, for datasets whose size the config does not state.
+        kfac_epochs, kfac_max_steps: the K-FAC arm's length, in place of its recipe's ``train.epochs`` /
+            ``train.max_steps`` (each arm has its own length: ``train.epochs`` on the plan's command line
+            would change both, and is refused).
+        baseline_epochs, baseline_max_steps: the same for the baseline arm.
     """
 
     world_sizes: List[int] = field(default_factory=lambda: [8, 16, 32, 64, 128])
@@ -62,6 +76,10 @@ class PlanConfig:
     profile_file: str | None = None
     baseline: str | None = None
     dataset_size: int | None = None
+    kfac_epochs: int | None = None
+    kfac_max_steps: int | None = None
+    baseline_epochs: int | None = None
+    baseline_max_steps: int | None = None
 
     def __post_init__(self) -> None:
         if not self.world_sizes:
@@ -78,6 +96,10 @@ class PlanConfig:
                 f"(its cost grows with the world size); plan at most {MAX_WORLD_SIZE}, "
                 f"e.g. plan.world_sizes=[1024,{MAX_WORLD_SIZE}]"
             )
+        for key, most in FLOAT_LIMITS.items():
+            value = getattr(self, key)
+            if value is not None and not (math.isfinite(value) and value <= most):
+                raise ConfigError(f"plan.{key}={value} must be a finite number <= {most:g}")
         if self.fractions is not None and not self.fractions:
             raise ConfigError("plan.fractions is empty: leave it out to plan every valid fraction")
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
@@ -90,10 +112,15 @@ class PlanConfig:
             raise ConfigError(f"plan.bandwidth_gb_s={self.bandwidth_gb_s} must be > 0")
         if self.latency_us is not None and not self.latency_us >= 0:
             raise ConfigError(f"plan.latency_us={self.latency_us} must be >= 0")
-        if self.dataset_size is not None and self.dataset_size < 1:
+        if self.dataset_size is not None and not 1 <= self.dataset_size <= MAX_LENGTH**2:
             raise ConfigError(
-                f"plan.dataset_size={self.dataset_size} must be >= 1 (training examples)"
+                f"plan.dataset_size={self.dataset_size} must be >= 1 and <= {MAX_LENGTH**2} "
+                "(training examples)"
             )
+        for key in ("kfac_epochs", "kfac_max_steps", "baseline_epochs", "baseline_max_steps"):
+            value = getattr(self, key)
+            if value is not None and not 1 <= value <= MAX_LENGTH:
+                raise ConfigError(f"plan.{key}={value} must be >= 1 and <= {MAX_LENGTH}")
         if self.profile and self.profile_file is not None:
             raise ConfigError(
                 "plan.profile=true and plan.profile_file both give the stage costs: choose one "

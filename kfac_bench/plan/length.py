@@ -30,6 +30,7 @@ __all__ = [
     "load_baseline",
     "run_length",
     "steps_per_epoch",
+    "with_length",
 ]
 
 #: Training examples of the datasets whose size the config alone decides (dataset option -> examples; a
@@ -190,3 +191,15 @@ def load_baseline(
             f"{baseline_name(kfac_arm.recipe, kfac_arm.optimizer)}"
         )
     return length
+
+
+def with_length(arm: RunLength, epochs: int | None, max_steps: int | None) -> RunLength:
+    """``arm`` with its epochs and/or step budget replaced (None: the recipe's), for ``plan.kfac_*`` and
+    ``plan.baseline_*``."""
+    from dataclasses import replace
+
+    if epochs is not None:
+        arm = replace(arm, epochs=epochs)
+    if max_steps is not None:
+        arm = replace(arm, max_steps=max_steps)
+    return arm

@@ -5,11 +5,17 @@ next to the ideal total/N and the floor of the largest factor."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 __all__ = ["plot_plan", "plot_time_to_solution"]
 
 GIB = 2**30
+
+
+def _title(plan: dict[str, Any]) -> str:
+    """The recipe and the model actually planned (``model.arch=resnet152`` under resnet50_imagenet)."""
+    model = plan.get("model")
+    return f"{plan['recipe']} ({model})" if model else str(plan["recipe"])
 
 
 #: The parts of a rank's K-FAC memory (``memory_usage()["total"]`` is their sum), bottom to top.
@@ -80,13 +86,13 @@ def _memory_bars(ax: Any, plan: dict[str, Any], worlds: list[int]) -> None:
     ax.set_xlabel(
         "gradient workers per layer (1 = MEM-OPT ... N = COMM-OPT), grouped by GPUs", labelpad=24
     )
-    ax.set_ylabel("K-FAC memory per GPU (GiB, each part's fullest rank)")
-    ax.set_title(f"{plan['recipe']}: memory per GPU (LPT placement)")
+    ax.set_ylabel("K-FAC memory per GPU (GiB, each part's fullest rank; not the model's)")
+    ax.set_title(f"{_title(plan)}: K-FAC memory per GPU (LPT placement)")
     ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
     ax.legend(handles=handles, fontsize=7, loc="upper left", ncol=3)
 
 
-def plot_plan(plan: dict[str, Any], path: Path) -> Path:
+def plot_plan(plan: dict[str, Any], path: Path | BinaryIO) -> Path | BinaryIO:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -131,15 +137,16 @@ def plot_plan(plan: dict[str, Any], path: Path) -> Path:
     cost_ax.set_ylabel("Σ n³ on the busiest rank")
     cost_ax.set_title("decomposition makespan")
     cost_ax.legend(fontsize=7)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    if isinstance(path, Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
     return path
 
 
 def _time_bars(ax: Any, plan: dict[str, Any]) -> None:
     """Minutes to the end of training as bars, a group per world size and a bar per arm (TPDS Fig. 8's
-    layout), each labelled with its minutes; log scale."""
+    layout), each labelled with its minutes, its band drawn as an error bar; log scale."""
     entries = [e for e in plan["time_to_solution"] if e["minutes"] is not None]
     arms = list(dict.fromkeys(e["arm"] for e in plan["time_to_solution"]))
     worlds = sorted({e["world_size"] for e in plan["time_to_solution"]})
@@ -148,18 +155,26 @@ def _time_bars(ax: Any, plan: dict[str, Any]) -> None:
         at = {e["world_size"]: e["minutes"] for e in entries if e["arm"] == arm}
         xs = [j + (i - (len(arms) - 1) / 2) * width for j, n in enumerate(worlds) if n in at]
         ys = [at[n] for n in worlds if n in at]
-        bars = ax.bar(xs, ys, width, label=arm, color=f"C{i}")
+        band = {
+            e["world_size"]: (e["minutes"] - e["minutes_low"], e["minutes_high"] - e["minutes"])
+            for e in entries
+            if e["arm"] == arm and e.get("minutes_low") is not None
+        }
+        err = [[band.get(n, (0, 0))[j] for n in worlds if n in at] for j in (0, 1)]
+        bars = ax.bar(xs, ys, width, label=arm, color=f"C{i}", yerr=err, capsize=2, ecolor="black")
         ax.bar_label(bars, [f"{y:.0f}" for y in ys], fontsize=6, padding=1)
     ax.set_xticks(range(len(worlds)), [str(n) for n in worlds])
     ax.set_yscale("log")
     ax.set_xlabel("GPUs")
     ax.set_ylabel("minutes to the end of training")
     source = plan.get("time_to_solution_model", {}).get("profile", {}).get("path", "")
-    ax.set_title(f"{plan['recipe']}: projected time to solution ({source})", fontsize=9)
+    ax.set_title(
+        f"{_title(plan)}: projected time to solution, band as error bars ({source})", fontsize=9
+    )
     ax.legend(fontsize=8)
 
 
-def plot_time_to_solution(plan: dict[str, Any], path: Path) -> Path:
+def plot_time_to_solution(plan: dict[str, Any], path: Path | BinaryIO) -> Path | BinaryIO:
     """``time_to_solution.png``: :func:`_time_bars`."""
     import matplotlib
 
@@ -169,7 +184,8 @@ def plot_time_to_solution(plan: dict[str, Any], path: Path) -> Path:
     worlds = {e["world_size"] for e in plan["time_to_solution"]}
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(worlds) + 2), 4.5), layout="constrained")
     _time_bars(ax, plan)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    if isinstance(path, Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
     return path

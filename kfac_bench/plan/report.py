@@ -13,6 +13,7 @@ from .config import PlanConfig
 from .costs import Scenario, equal_group_workers, rank_loads, row_dict
 from .recipe import PlannedModel
 from .reference import render_table5, table5_comparison
+from .time_to_solution import model_name
 from .timing import Rates, stage_seconds
 
 __all__ = ["build_plan", "grad_worker_counts", "recommend", "render"]
@@ -70,6 +71,7 @@ def build_plan(planned: PlannedModel, cfg: PlanConfig, rates: Rates) -> dict[str
                     rows.append(row)
     plan: dict[str, Any] = {
         "recipe": planned.recipe,
+        "model": model_name(planned),
         "coverage": planned.scan.coverage().to_dict(),
         "settings": {
             "factor_dtype": _name(s.factor_dtype),
@@ -109,6 +111,10 @@ def build_plan(planned: PlannedModel, cfg: PlanConfig, rates: Rates) -> dict[str
     }
     if cfg.memory_budget_gb is not None:
         plan["memory_budget_gb"] = cfg.memory_budget_gb
+        plan["memory_budget_counts"] = (
+            "K-FAC's memory only: factors, decompositions and buffers on the fullest rank; the model, "
+            "activations and optimizer state are not included"
+        )
         plan["recommendations"] = recommend(rows, cfg.memory_budget_gb)
     table5 = table5_comparison(planned)
     if table5 is not None:
@@ -241,7 +247,7 @@ def render(plan: dict[str, Any]) -> str:
     s, cov = plan["settings"], plan["coverage"]
     largest = max(max(x["a_dim"], x["g_dim"]) for x in plan["layers"])
     lines = [
-        f"kfac-bench plan: {plan['recipe']} — {len(plan['layers'])} K-FAC layers, "
+        f"kfac-bench plan: {plan['recipe']} ({plan.get('model', '?')}) — {len(plan['layers'])} K-FAC layers, "
         f"{100 * cov['share']:.1f}% of {_count(cov['trainable_params'])} trainable parameters; "
         f"largest factor {largest}² (floor {float(largest) ** 3:.2e} n³)",
         f"engine: {s['compute_method']} (parts {', '.join(['a', 'g', *s['derived_parts']])}), factors "
@@ -264,7 +270,11 @@ def render(plan: dict[str, Any]) -> str:
         ]
         lines += [_line(r) for r in here]
     if "recommendations" in plan:
-        lines += ["", f"recommended under {plan['memory_budget_gb']:g} GiB per GPU:"]
+        lines += [
+            "",
+            f"recommended under {plan['memory_budget_gb']:g} GiB per GPU of K-FAC memory (factors, "
+            "decompositions and buffers only; the model, activations and optimizer state come on top):",
+        ]
         lines += [f"  {r['world_size']:>4} GPUs: {r['reason']}" for r in plan["recommendations"]]
     if "kaisa_table5" in plan:
         lines += ["", render_table5(plan["kaisa_table5"])]

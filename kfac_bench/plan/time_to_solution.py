@@ -19,16 +19,24 @@ and the step time is
   **decompositions** (the profile's, × the busiest rank's Σ n³ over that at the profile's configuration)
   and their **broadcast** to the m gradient workers (tree, as above).
 
-Nothing is fitted to the figures it is compared with: the profile gives one step and one set of stage costs
-at one configuration, the network two stated numbers, and the recipes the epochs, batch and intervals.
-Overlap of communication with computation, stragglers, data loading beyond the profile's step and I/O at
-scale are not modelled.
+With a cluster file (:mod:`.cluster`, named by the profile) two terms follow the cluster's measured growth
+with N: the baseline step gains the cluster's **baseline growth** (seconds beyond the ring model, against
+the profile's world size), and K-FAC's every-step stages (preconditioning, KL clip) stretch by its
+**K-FAC growth**. Without one, nothing grows with N but the network terms.
+
+Every projection carries a band, ``minutes_low``..``minutes_high``: the lowest and highest minutes over
+the cluster's readings for another model (:data:`~kfac_bench.plan.cluster.VARIANTS`), widened by the
+relative uncertainty ``u = sqrt(spread² + uncertainty²)`` (the cluster's spread of repeated measurements,
+the profile's own input uncertainty; :data:`DEFAULT_UNCERTAINTY` where neither is stated).
+
+The profile gives one step and one set of stage costs at one configuration, the cluster its growth, the
+network two stated numbers, and the recipes the epochs, batch and intervals. Overlap of communication with
+computation, data loading beyond the profile's step and I/O at scale are in the cluster's growth only.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,19 +46,24 @@ from kfac_bench.kfac import FactorReduction, Placement
 from kfac_bench.kfac.assignment import grad_workers_per_layer
 from kfac_bench.kfac.options import parse_grad_worker_fraction
 
+from .cluster import VARIANTS, Variant
 from .costs import RankLoads, Scenario, rank_loads
 from .length import RunLength
+from .network import DEFAULT_BANDWIDTH_GB_S, DEFAULT_LATENCY_US, GRAD_BUCKET_BYTES, Network
 from .recipe import PlannedModel
 from .stage_profile import StageProfile
 
 __all__ = [
+    "BAND_Z",
     "DEFAULT_BANDWIDTH_GB_S",
     "DEFAULT_LATENCY_US",
+    "DEFAULT_UNCERTAINTY",
     "GRAD_BUCKET_BYTES",
     "STRATEGIES",
     "Network",
+    "check_batch",
+    "model_name",
     "project",
-    "render_time_to_solution",
     "strategy_workers",
 ]
 
@@ -58,46 +71,12 @@ __all__ = [
 #: HYBRID-OPT in its Fig. 8 and BERT runs).
 STRATEGIES = ("comm_opt", "mem_opt", "hybrid_opt")
 HYBRID_FRACTION = 0.5
-#: Gradient allreduce buckets: ``DistributedDataParallel``'s default ``bucket_cap_mb=25``.
-GRAD_BUCKET_BYTES = 25 * 2**20
-#: Network defaults without a profile's: 100 Gb/s InfiniBand EDR (the papers' V100 cluster) and NCCL's own
-#: model of one ring step over the network (NCCL 2.5 ``src/graph/tuning.cc``, ``hwLat[NET][RING][SIMPLE]``).
-DEFAULT_BANDWIDTH_GB_S = 12.5
-DEFAULT_LATENCY_US = 6.6
-
-
-@dataclass(frozen=True)
-class Network:
-    """Per-rank bandwidth (bytes/s) and latency per algorithm step (s), with where they come from."""
-
-    bandwidth_bytes: float
-    latency_s: float
-    source: str
-
-    def allreduce(self, nbytes: float, world: int, calls: int = 1) -> float:
-        """Ring allreduce: ``2(p-1)/p · bytes / bandwidth + 2(p-1) · latency`` per call."""
-        if world <= 1 or nbytes <= 0:
-            return 0.0
-        steps = 2 * (world - 1)
-        return steps / world * nbytes / self.bandwidth_bytes + steps * self.latency_s * calls
-
-    def reduce(self, nbytes: float, world: int, calls: int = 1) -> float:
-        """Ring reduce: half an allreduce."""
-        return self.allreduce(nbytes, world, calls) / 2
-
-    def broadcast(self, nbytes: float, group: int, calls: int = 1) -> float:
-        """Minimum-spanning-tree broadcast: ``ceil(log2 p)`` rounds of the payload (KAISA §3.1's O(log p))."""
-        if group <= 1 or nbytes <= 0:
-            return 0.0
-        rounds = math.ceil(math.log2(group))
-        return rounds * (nbytes / self.bandwidth_bytes + self.latency_s * calls)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "bandwidth_bytes_per_s": self.bandwidth_bytes,
-            "latency_s": self.latency_s,
-            "source": self.source,
-        }
+#: Relative uncertainty of a projection whose profile states none and names no cluster: assumed, stated in
+#: the output as such.
+DEFAULT_UNCERTAINTY = 0.10
+#: The band is meant to hold 90 % of measurements: 1.645 standard deviations of a normal spread on either
+#: side (the two-sided 90 % quantile).
+BAND_Z = 1.645
 
 
 def strategy_workers(strategy: str, world_size: int, recipe_fraction: str) -> int:
@@ -123,8 +102,14 @@ def _max(values: dict[str, list[int]], key: str) -> int:
 class _Model:
     """The step-time model of one recipe against one profile (see the module's docstring)."""
 
-    def __init__(self, planned: PlannedModel, profile: StageProfile, network: Network) -> None:
-        self.planned, self.profile, self.net = planned, profile, network
+    def __init__(
+        self,
+        planned: PlannedModel,
+        profile: StageProfile,
+        network: Network,
+        variant: Variant = VARIANTS[0],
+    ) -> None:
+        self.planned, self.profile, self.net, self.variant = planned, profile, network, variant
         s = planned.settings
         at = profile.measured_at
         self.reduction = FactorReduction(planned.factor_reduction)
@@ -184,10 +169,25 @@ class _Model:
 
     def base(self, n: int, length: RunLength) -> dict[str, float]:
         examples = length.rank_batch(n) * length.micro_batches(n)
-        return {
+        out = {
             "compute": self.compute_per_example * examples,
             "grad_allreduce": self.net.allreduce(self.grad_bytes, n, self.grad_calls),
         }
+        cluster = self.profile.cluster
+        if cluster is not None:
+            at = self.profile.measured_at.world_size
+            out["cluster_growth"] = cluster.baseline_extra(n, at, self.grad_bytes, self.variant)
+        return out
+
+    def every_step(self, seconds: float, n: int) -> float:
+        """K-FAC every-step ``seconds`` (at the profile's world size) at ``n`` GPUs on the cluster."""
+        cluster = self.profile.cluster
+        if cluster is None:
+            return seconds
+        st = self.profile.stages_s
+        total = st["precondition"] + st["kl_clip"]
+        at = self.profile.measured_at.world_size
+        return seconds * cluster.every_step_factor(n, at, self.variant, total)
 
     def kfac(self, n: int, m: int, length: RunLength) -> tuple[dict[str, float], tuple[int, int]]:
         """Seconds per occurrence of every stage (baseline's included), and the (factor, decomposition)
@@ -198,18 +198,28 @@ class _Model:
         examples = length.rank_batch(n) * micro
         stages = {
             **self.base(n, length),
-            "precondition": st["precondition"]
-            * (max(loads.precondition_flops) / self.ref_precondition_flops),
-            "kl_clip": st["kl_clip"],
+            "precondition": self.every_step(
+                st["precondition"] * max(loads.precondition_flops) / self.ref_precondition_flops, n
+            ),
+            "kl_clip": self.every_step(st["kl_clip"], n),
             "factor": st["factor"] * examples / at.batch_size,
             "decomposition": st["decomposition"] * max(loads.decomposition_cost) / self.ref_n3,
             **self.comm(loads, n, m),
         }
+        # The preconditioned-gradient broadcast runs every step too: it stretches with the rest.
+        stages["grad_broadcast"] = self.every_step(stages["grad_broadcast"], n)
         return stages, self.planned.settings.intervals(n)
 
 
 #: How often each stage runs: every step, every factor step or every decomposition step.
-EVERY_STEP = ("compute", "grad_allreduce", "precondition", "grad_broadcast", "kl_clip")
+EVERY_STEP = (
+    "compute",
+    "grad_allreduce",
+    "cluster_growth",
+    "precondition",
+    "grad_broadcast",
+    "kl_clip",
+)
 FACTOR_STEP = ("factor", "factor_comm")
 DECOMPOSITION_STEP = ("decomposition", "decomposition_comm")
 
@@ -231,17 +241,25 @@ def _entry(
     grad_workers: int | None,
     reason: str | None = None,
 ) -> dict[str, Any]:
-    steps, per_epoch, how = length.steps(n)
+    try:
+        steps, per_epoch, how = length.steps(n)
+        global_batch: int | None = length.global_batch(n)
+    except ConfigError as err:  # the recipe cannot run at n: this row only, with its reason
+        steps, per_epoch, how, global_batch = None, None, str(err), None
+        stages, reason = None, reason or str(err)
     entry: dict[str, Any] = {
         "world_size": n,
         "arm": arm,
         "minutes": None,
+        "minutes_low": None,
+        "minutes_high": None,
         "recipe": length.recipe,
         "epochs": length.epochs,
+        "max_steps": length.max_steps,
         "steps": steps,
         "steps_per_epoch": per_epoch,
         "length": how,
-        "global_batch": length.global_batch(n),
+        "global_batch": global_batch,
         "grad_workers": grad_workers,
         "intervals": None if intervals is None else list(intervals),
         "step_s": None,
@@ -258,6 +276,80 @@ def _entry(
     return entry
 
 
+def _entries(
+    model: _Model, planned: PlannedModel, kfac_arm: RunLength, baseline: RunLength, n: int
+) -> list[dict[str, Any]]:
+    """The baseline's and each K-FAC strategy's entry at ``n`` GPUs (a world size the recipe cannot use
+    gives entries without minutes, with the reason)."""
+
+    def guarded(fn: Any) -> Any:
+        try:
+            return fn(), None
+        except ConfigError as err:
+            return None, str(err)
+
+    base, why = guarded(lambda: model.base(n, baseline))
+    out = [_entry(n, baseline.optimizer, baseline, base, None, None, why)]
+    for strategy in STRATEGIES:
+        try:
+            m = strategy_workers(strategy, n, planned.grad_worker_fraction)
+        except ValueError as err:
+            out.append(_entry(n, strategy, kfac_arm, None, None, None, str(err)))
+            continue
+        got, why = guarded(lambda m=m: model.kfac(n, m, kfac_arm))
+        stages, intervals = got if got is not None else (None, None)
+        out.append(_entry(n, strategy, kfac_arm, stages, intervals, m, why))
+    return out
+
+
+def uncertainty(profile: StageProfile) -> tuple[float, str]:
+    """The band's relative half-width beyond the cluster's readings, and where it comes from:
+    :data:`BAND_Z` × sqrt(spread² + uncertainty²)."""
+    cluster = profile.cluster
+    parts = []
+    if cluster is not None and cluster.spread:
+        parts.append((cluster.spread, f"the cluster's spread {100 * cluster.spread:.2f} %"))
+    if profile.uncertainty:
+        parts.append((profile.uncertainty, f"the profile's {100 * profile.uncertainty:.2f} %"))
+    if not parts:
+        return DEFAULT_UNCERTAINTY, f"unstated: {100 * DEFAULT_UNCERTAINTY:.0f} % assumed"
+    sigma = math.sqrt(sum(u * u for u, _ in parts))
+    words = " and ".join(w for _, w in parts)
+    return BAND_Z * sigma, f"90 % of a normal spread: {BAND_Z} x {words}"
+
+
+#: How far the profile's examples per rank per step may be from the recipe's at the profile's world size:
+#: the compute is scaled per example, which holds near the measured batch; a micro-batch given for a whole
+#: step under accumulation (16 for 2048) is off by far more.
+BATCH_RATIO = 4
+
+
+def check_batch(profile: StageProfile, kfac_arm: RunLength) -> None:
+    """Refuse a profile whose examples per rank per step, at its world size, are more than
+    :data:`BATCH_RATIO` times more or fewer than the recipe's there (a micro-batch given for a step under
+    accumulation projects the whole run wrong by that factor).
+
+    Raises:
+        ConfigError: one line naming both batches and the fix.
+    """
+    at = profile.measured_at
+    try:
+        recipe = kfac_arm.rank_batch(at.world_size) * kfac_arm.micro_batches(at.world_size)
+    except ConfigError as err:
+        raise ConfigError(
+            f"plan.profile_file={profile.path} was measured at {at.world_size} GPUs, where the recipe "
+            f"'{kfac_arm.recipe}' cannot run ({err})"
+        ) from None
+    if max(recipe, at.batch_size) > BATCH_RATIO * min(recipe, at.batch_size):
+        raise ConfigError(
+            f"plan.profile_file={profile.path}: measured_at.batch_size={at.batch_size} at "
+            f"{at.world_size} GPUs implies a global batch of {at.batch_size * at.world_size}, but "
+            f"'{kfac_arm.recipe}' trains {recipe} examples per rank per step there (global "
+            f"{recipe * at.world_size}); batch_size is the examples per rank per optimizer step, all "
+            f"micro-batches together (within {BATCH_RATIO}x of the recipe's)"
+        )
+
+
 def project(
     planned: PlannedModel,
     kfac_arm: RunLength,
@@ -270,35 +362,45 @@ def project(
     model's inputs and reference figures (``time_to_solution_model``).
 
     Raises:
-        ConfigError: the profile was measured on another model, or its step leaves no compute.
+        ConfigError: the profile was measured on another model or another batch, or its step leaves no
+            compute.
     """
     if profile.model and profile.model != model_name(planned):
         raise ConfigError(
             f"plan.profile_file={profile.path} was measured on model '{profile.model}', the recipe "
             f"'{planned.recipe}' plans '{model_name(planned)}': give a profile of that model"
         )
-    model = _Model(planned, profile, network)
-    entries = []
-    for n in world_sizes:
-        entries.append(_entry(n, baseline.optimizer, baseline, model.base(n, baseline), None, None))
-        for strategy in STRATEGIES:
-            try:
-                m = strategy_workers(strategy, n, planned.grad_worker_fraction)
-            except ValueError as err:
-                entries.append(_entry(n, strategy, kfac_arm, None, None, None, str(err)))
-                continue
-            stages, intervals = model.kfac(n, m, kfac_arm)
-            entries.append(_entry(n, strategy, kfac_arm, stages, intervals, m))
+    check_batch(profile, kfac_arm)
+    variants = VARIANTS if profile.cluster is not None else VARIANTS[:1]
+    models = [_Model(planned, profile, network, v) for v in variants]
+    runs = [
+        [e for n in world_sizes for e in _entries(m, planned, kfac_arm, baseline, n)]
+        for m in models
+    ]
+    entries = runs[0]
+    u, u_source = uncertainty(profile)
+    for i, e in enumerate(entries):
+        if e["minutes"] is None:
+            continue
+        values = [run[i]["minutes"] for run in runs if run[i]["minutes"] is not None]
+        e["minutes_low"] = min(values) * (1 - u)
+        e["minutes_high"] = max(values) * (1 + u)
     _relative(entries, baseline.optimizer)
     info = {
         "baseline": baseline.to_dict(),
         "kfac": kfac_arm.to_dict(),
+        "model": model_name(planned),
         "profile": profile.to_dict(),
         "network": network.to_dict(),
         "placement": planned.placement,
         "factor_reduction": planned.factor_reduction,
-        "reference": model.reference,
+        "reference": models[0].reference,
         "recipe_precision": planned.precision,
+        "band": {
+            "relative_uncertainty": u,
+            "source": u_source,
+            "variants": [vars(v) for v in variants],
+        },
     }
     return entries, info
 
@@ -327,72 +429,8 @@ def _relative(entries: list[dict[str, Any]], baseline: str) -> None:
 
 
 def model_name(planned: PlannedModel) -> str:
-    """The name a profile's ``model`` must carry: ``model.arch`` if the builder takes one, else the
-    builder's function name."""
-    arch = planned.model_args.get("arch")
-    return str(arch) if arch else planned.model_target.rsplit(".", 1)[-1]
+    """The model's name as users name it (:func:`kfac_bench.config.model_name`), which a profile's
+    ``model`` must carry."""
+    from kfac_bench.config import model_name as name_of
 
-
-def _cell(e: dict[str, Any] | None, baseline: str) -> str:
-    if e is None or e["minutes"] is None:
-        return f"{'—':>21}"
-    eff = e["scaling_efficiency"]
-    text = f"{e['minutes']:8.1f} {100 * eff:4.0f}%"
-    if e["arm"] != baseline:
-        text += f" {-100 * e['less_time_than_baseline']:+4.0f}%"
-    else:
-        text += " " * 6
-    return f"{text:>21}"
-
-
-def render_time_to_solution(plan: dict[str, Any]) -> str:
-    """The time-to-solution table: a line per world size, minutes per arm (with scaling efficiency against
-    the smallest world size, and the change against the baseline)."""
-    entries = plan.get("time_to_solution") or []
-    info = plan.get("time_to_solution_model") or {}
-    if not entries:
-        return f"time to solution: not projected ({info.get('reason', 'no profile')})\n"
-    base, kf = info["baseline"], info["kfac"]
-    prof, net = info["profile"], info["network"]
-    arms = [base["optimizer"], *STRATEGIES]
-    lines = [
-        f"time to solution (minutes; scaling efficiency vs {entries[0]['world_size']} GPUs; change vs "
-        f"{base['optimizer']}): {base['optimizer']} = {base['recipe']}, K-FAC = {kf['recipe']} "
-        f"({kf['optimizer']} + K-FAC, {planned_placement(info)})",
-        f"  profile {prof['path']}: {prof['device']}, baseline step {1e3 * prof['baseline_step_s']:.1f} ms "
-        f"at {prof['measured_at']['world_size']} GPUs; network {net['source']}",
-        f"  {'GPUs':>5} {'global batch':>12} {'intervals':>10} | "
-        + " | ".join(f"{a:>21}" for a in arms),
-    ]
-    for n in sorted({e["world_size"] for e in entries}):
-        here = {e["arm"]: e for e in entries if e["world_size"] == n}
-        k = here.get("comm_opt") or {}
-        iv = k.get("intervals")
-        ivs = "—" if not iv else f"{iv[0]}/{iv[1]}"
-        gb = (here.get(base["optimizer"]) or {}).get("global_batch")
-        lines.append(
-            f"  {n:>5} {gb if gb is not None else '—':>12} {ivs:>10} | "
-            + " | ".join(_cell(here.get(a), base["optimizer"]) for a in arms)
-        )
-    if prof["precision"] not in ("unstated", info.get("recipe_precision", prof["precision"])):
-        lines.append(
-            f"  note: the profile was measured in {prof['precision']}, the recipe trains in "
-            f"{info['recipe_precision']}; its step and stage times are taken as they are"
-        )
-    missing = sorted({e["reason"] for e in entries if e["minutes"] is None and e["reason"]})
-    lines += [f"  not projected: {r}" for r in missing]
-    ref = info["reference"]
-    measured = ref["profiled_comm_s"]
-    if measured:
-        modelled = ref["modelled_comm_s"]
-        pairs = ", ".join(
-            f"{k} {1e3 * modelled[k]:.0f} ms (profile {1e3 * v:.0f} ms)"
-            for k, v in measured.items()
-            if k in modelled
-        )
-        lines.append(f"  network model at the profile's configuration: {pairs}")
-    return "\n".join(lines) + "\n"
-
-
-def planned_placement(info: dict[str, Any]) -> str:
-    return f"{info['placement']} placement, factors by {info['factor_reduction']}"
+    return name_of({"_target_": planned.model_target, **planned.model_args})

@@ -26,9 +26,9 @@ from pycocotools.cocoeval import COCOeval
 from torch import nn
 from torch.utils.data import Subset
 
-from kfac_bench.consensus import from_main
 from kfac_bench.data.coco import Target
 from kfac_bench.errors import ConfigError
+from kfac_bench.rank_zero import from_main
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
 from kfac_bench.checkpoint.elastic import World, accumulation_for
@@ -30,7 +29,7 @@ from kfac_bench.checkpoint.manager import (
 )
 from kfac_bench.config.compose import instantiate
 from kfac_bench.config.kfac_adapter import build_preconditioner
-from kfac_bench.config.schema import Precision
+from kfac_bench.config.schema import Precision, RunConfig, TrainConfig
 from kfac_bench.data.base import DataSplits
 from kfac_bench.data.batching import BatchLayout, batch_layout
 from kfac_bench.data.loader import build_loaders
@@ -38,7 +37,7 @@ from kfac_bench.launcher.distributed import DistEnv
 from kfac_bench.launcher.signals import PreemptionFlag
 from kfac_bench.metrics.mlperf import writes_log
 from kfac_bench.metrics.recorder import Recorder
-from kfac_bench.metrics.timekeeping import StageTimes, StepTimer, TargetTracker
+from kfac_bench.metrics.timekeeping import StageTotals, StepTimer, TargetTracker
 from kfac_bench.metrics.trackers import Tracker
 from kfac_bench.train.loop import Loop
 from kfac_bench.train.mlperf_facts import run_facts
@@ -76,7 +75,7 @@ class Run:
     checkpoints: CheckpointManager
     recorder: Recorder
     batches: BatchLayout
-    stages: StageTimes
+    stages: StageTotals
     world: World
 
 
@@ -103,7 +102,7 @@ def _autocast(device: torch.device, precision: Precision) -> Callable[[], Any]:
 
 
 def build_run(
-    cfg: DictConfig,
+    cfg: RunConfig,
     run_dir: Path,
     env: DistEnv,
     device: torch.device,
@@ -142,35 +141,13 @@ def build_run(
         pin_memory=device.type == "cuda",
         eval_batch_size=t.eval_batch_size,
     )
-    batches, world = _batches(cfg, splits, env.world_size, starting_world_size or env.world_size)
+    batches, world = _batches(t, splits, env.world_size, starting_world_size or env.world_size)
     sampler.cover(batches.steps_per_epoch * batches.global_batch)
     w0 = world.world_size  # the hyperparameters' world size
-    max_steps = min(t.epochs * batches.steps_per_epoch, t.max_steps or sys.maxsize)
-    epochs = t.epochs
-    benchmark = str(t.mode.value) == "benchmark"
-    if benchmark:  # warm-up and timed steps, over as many epochs as they take
-        max_steps = t.benchmark_warmup_steps + t.benchmark_steps
-        epochs = -(-max_steps // batches.steps_per_epoch)
+    epochs, max_steps, benchmark = _budget(t, batches.steps_per_epoch)
     precision = Precision(t.precision)
-    fp16_on_cuda = device.type == "cuda" and precision is Precision.fp16
-    scaler = torch.amp.GradScaler("cuda") if fp16_on_cuda else None
-    optimizer = build_optimizer(module, cfg.optimizer, w0)
-    factor = lr_factor(
-        cfg.lr_schedule,
-        batches.steps_per_epoch,
-        max_steps,
-        w0,
-        base_lr=base_lr(cfg.optimizer, w0),
-    )
-    scheduler = build_lr_scheduler(optimizer, factor)
-    precond = build_preconditioner(
-        module,
-        cfg.kfac,
-        steps_per_epoch=batches.steps_per_epoch,
-        world_size=w0,
-        accumulation_steps=batches.accumulation_steps,
-        lr=lambda step: optimizer.param_groups[0]["lr"],
-        grad_scaler=scaler,
+    optimizer, scheduler, precond, scaler = _update_rule(
+        cfg, module, batches, w0, max_steps, device, precision
     )
     model: nn.Module = module
     if env.distributed:
@@ -185,13 +162,13 @@ def build_run(
         global_batch=batches.global_batch,
         reference_world_size=w0,
     )
-    tracker = TargetTracker(dict(t.targets), task.target_metric, bool(task.higher_is_better))
-    stages = StageTimes(precond)
+    targets = TargetTracker(dict(t.targets), task.target_metric, bool(task.higher_is_better))
+    stages = StageTotals(precond)
     recorder = Recorder(
         run_dir,
         state,
         stages,
-        tracker.primary,
+        targets.primary,
         max_steps,
         enabled=env.is_main,
         progress=str(t.progress.value),
@@ -206,7 +183,7 @@ def build_run(
             max_steps=max_steps,
             world_size=env.world_size,
             device=device,
-            primary=tracker.primary,
+            primary=targets.primary,
             starting_world_size=w0,
             init_start_s=init_start_s,
         ),
@@ -221,7 +198,7 @@ def build_run(
             "scaler": scaler,
             "precond": PreconditionerState(precond) if precond is not None else None,
             "train_state": state,
-            "tracker": tracker,
+            "tracker": targets,
             "stage_times": stages,
             "mlperf_log": recorder.mlperf,  # its length and clock: a resumed run continues the log
             "rng": RNGState(env.rank, env.world_size),  # last: restored after everything else
@@ -243,7 +220,7 @@ def build_run(
         eval_loader=eval_loader,
         sampler=sampler,
         state=state,
-        tracker=tracker,
+        target_tracker=targets,
         recorder=recorder,
         checkpoints=checkpoints,
         preempt=PreemptionFlag(),
@@ -266,8 +243,53 @@ def build_run(
     return Run(loop, checkpoints, recorder, batches, stages, world)
 
 
+def _budget(t: TrainConfig, steps_per_epoch: int) -> tuple[int, int, bool]:
+    """(epochs, max steps, whether a benchmark): a benchmark's warm-up and timed steps take as many epochs
+    as they need."""
+    max_steps = min(t.epochs * steps_per_epoch, t.max_steps or sys.maxsize)
+    benchmark = str(t.mode.value) == "benchmark"
+    if not benchmark:
+        return t.epochs, max_steps, False
+    max_steps = t.benchmark_warmup_steps + t.benchmark_steps
+    return -(-max_steps // steps_per_epoch), max_steps, True
+
+
+def _update_rule(
+    cfg: RunConfig,
+    module: nn.Module,
+    batches: BatchLayout,
+    world_size: int,
+    max_steps: int,
+    device: torch.device,
+    precision: Precision,
+) -> tuple[torch.optim.Optimizer, Any, Any, Any]:
+    """(optimizer, LR scheduler, preconditioner or None, AMP grad scaler or None) for the run's
+    hyperparameters on ``world_size`` ranks, each built from its own config section."""
+    fp16_on_cuda = device.type == "cuda" and precision is Precision.fp16
+    scaler = torch.amp.GradScaler("cuda") if fp16_on_cuda else None
+    optimizer = build_optimizer(module, cfg.optimizer, world_size)
+    factor = lr_factor(
+        cfg.lr_schedule,
+        batches.steps_per_epoch,
+        max_steps,
+        world_size,
+        base_lr=base_lr(cfg.optimizer, world_size),
+    )
+    scheduler = build_lr_scheduler(optimizer, factor)
+    precond = build_preconditioner(
+        module,
+        cfg.kfac,
+        steps_per_epoch=batches.steps_per_epoch,
+        world_size=world_size,
+        accumulation_steps=batches.accumulation_steps,
+        lr=lambda step: optimizer.param_groups[0]["lr"],
+        grad_scaler=scaler,
+    )
+    return optimizer, scheduler, precond, scaler
+
+
 def _batches(
-    cfg: DictConfig, splits: DataSplits, world_size: int, starting_world_size: int
+    t: TrainConfig, splits: DataSplits, world_size: int, starting_world_size: int
 ) -> tuple[BatchLayout, World]:
     """This job's batch layout and the run's starting world: the epoch and the global batch are planned on
     ``starting_world_size`` ranks; ``world_size`` ranks keep them with their own accumulation.
@@ -275,7 +297,6 @@ def _batches(
     Raises:
         ConfigError: the batch sizes do not fit, or ``world_size`` cannot keep the global batch.
     """
-    t = cfg.train
     n = len(splits.train)  # type: ignore[arg-type]
     start = batch_layout(
         samples_per_rank=math.ceil(n / starting_world_size),  # DistributedSampler's shard

@@ -37,7 +37,8 @@ class Loop:
 
     ``model`` is what the forward pass calls (the DDP wrapper when distributed); ``module`` is the bare
     model (evaluation, checkpoints). ``recorder`` receives the measurements (it does not change the order);
-    ``tracker`` is the run's one stop test; ``checkpoints`` saves every stateful part. With ``step_timer``
+    ``target_tracker`` is the run's one stop test (the target; experiment trackers are the recorder's);
+    ``checkpoints`` saves every stateful part. With ``step_timer``
     (``train.mode=benchmark``) the loop only trains and times its steps: no evaluation, no checkpoint.
     """
 
@@ -54,7 +55,7 @@ class Loop:
     eval_loader: Any
     sampler: Any
     state: TrainState
-    tracker: TargetTracker
+    target_tracker: TargetTracker
     recorder: Recorder
     checkpoints: CheckpointManager
     preempt: PreemptionFlag
@@ -78,7 +79,10 @@ class Loop:
 
 
 def run_loop(loop: Loop) -> str:
-    """Train until the epoch/step budget, the target (with ``stop_at_target``), divergence or preemption.
+    """Train until the epoch/step budget, the target (with ``stop_at_target``), divergence or preemption:
+    the order-sensitive sequence of a step in one place (forward and scaled backward of each micro-batch,
+    the ranks' agreement, unscale, clip, ``precond.step()``, ``optimizer.step()``, schedules, metrics,
+    evaluation, checkpoint).
 
     The run diverges on a non-finite loss (it stops before any parameter changes) or when a checkpoint
     would hold a non-finite weight, optimizer or K-FAC value (it is not written): either way the newest
@@ -88,110 +92,147 @@ def run_loop(loop: Loop) -> str:
         The run status: ``success``, ``target_not_reached``, ``diverged`` or ``preempted`` (a benchmark that
         ran its steps: ``success``).
     """
-    try:
-        return _run(loop)
-    except NonFiniteState as exc:
-        loop.state.train_clock.stop()
-        loop.divergence = (exc.step, exc.what)
-        return "diverged"
-
-
-def _run(loop: Loop) -> str:
-    s = loop.state
-    ddp = isinstance(loop.model, nn.parallel.DistributedDataParallel)
-    timer = loop.step_timer
+    s, timer = loop.state, loop.step_timer
     s.wall.start()
     if timer is not None:
         timer.start()
     loop.module.train()
-    while s.epoch < loop.epochs and s.step < loop.max_steps:
-        if s.micro_in_epoch == 0:  # a run resumed mid-epoch continues the epoch it logged
-            loop.recorder.on_epoch(started=True)
-        s.train_clock.start()
-        for micro_batches in _epoch_batches(loop):
-            t0 = time.perf_counter()
-            loss_sum, examples = torch.zeros((), device=loop.device), 0
-            for i, batch in enumerate(micro_batches):
-                batch = loop.task.to_device(batch, loop.device)
-                examples += loop.task.batch_size(batch)
-                last = i == len(micro_batches) - 1
-                # DDP all-reduces the gradients in the backward of the last micro-batch only.
-                with loop.model.no_sync() if ddp and not last else contextlib.nullcontext():  # type: ignore[operator]
-                    with loop.autocast():
-                        loss = loop.task.loss(loop.model, batch)
-                    scaled = loss / len(micro_batches)
-                    (loop.scaler.scale(scaled) if loop.scaler else scaled).backward()
-                loss_sum += loss.detach().float()
-            mean_loss, preempted = _agree(loop, loss_sum / len(micro_batches))
-            if not math.isfinite(mean_loss):
-                loop.optimizer.zero_grad(set_to_none=True)
-                s.train_clock.stop()
-                loop.divergence = (s.step + 1, f"non-finite loss {mean_loss}")
-                return "diverged"
-            if loop.scaler is not None:
-                loop.scaler.unscale_(loop.optimizer)
-            if loop.grad_clip_norm is not None:
-                torch.nn.utils.clip_grad_norm_(loop.module.parameters(), loop.grad_clip_norm)
-            if loop.precond is not None:
-                loop.precond.step()
-            if loop.scaler is not None:
-                loop.scaler.step(loop.optimizer)
-                loop.scaler.update()
-            else:
-                loop.optimizer.step()
-            loop.optimizer.zero_grad(set_to_none=True)
-            loop.scheduler.step()
-            s.step += 1
-            s.micro_in_epoch += len(micro_batches)
-            s.samples += examples * loop.world_size
-            if loop.device.type == "cuda":
-                torch.cuda.synchronize(loop.device)
-            s.throughput.add(time.perf_counter() - t0, examples * loop.world_size)
-            if timer is not None:
-                timer.tick(examples * loop.world_size)
-            loop.recorder.on_step(mean_loss, loop.optimizer.param_groups[0]["lr"])
-            if timer is None and _due(s.step, loop.eval_every_steps):
-                evaluate(loop)
-                s.train_clock.start()
-                if loop.stop_at_target and loop.tracker.reached:
-                    if loop.checkpoint_at_end:
-                        loop.checkpoints.save(s.step)
-                    return "success"
-            if timer is None and _due(s.step, loop.checkpoint_every_steps):
-                s.train_clock.stop()
-                loop.checkpoints.save(s.step)
-                s.train_clock.start()
-            if preempted:
-                s.train_clock.stop()
-                if timer is None:
-                    loop.checkpoints.save(s.step)
-                return "preempted"
-            if s.step >= loop.max_steps:
-                break
-        s.train_clock.stop()
-        if s.step >= loop.max_steps and s.micro_in_epoch < loop.micro_per_epoch:
-            break  # a step budget ended mid-epoch
-        loop.recorder.on_epoch(started=False)
-        s.epoch += 1
-        s.micro_in_epoch = 0
-        finished = s.epoch >= loop.epochs or s.step >= loop.max_steps
+    try:
+        while s.epoch < loop.epochs and s.step < loop.max_steps:
+            if s.micro_in_epoch == 0:  # a run resumed mid-epoch continues the epoch it logged
+                loop.recorder.on_epoch(started=True)
+            s.train_clock.start()
+            for micro_batches in _epoch_batches(loop):
+                t0 = time.perf_counter()
+                loss_sum, examples = forward_backward(loop, micro_batches)
+                mean_loss, preempted = _agree(loop, loss_sum / len(micro_batches))
+                if not math.isfinite(mean_loss):
+                    loop.optimizer.zero_grad(set_to_none=True)
+                    s.train_clock.stop()
+                    loop.divergence = (s.step + 1, f"non-finite loss {mean_loss}")
+                    return "diverged"
+                if loop.scaler is not None:
+                    loop.scaler.unscale_(loop.optimizer)
+                if loop.grad_clip_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(loop.module.parameters(), loop.grad_clip_norm)
+                if loop.precond is not None:
+                    loop.precond.step()
+                optimizer_step(loop)
+                _count_step(loop, len(micro_batches), examples, t0, mean_loss)
+                ended = _after_step(loop, preempted)
+                if ended is not None:
+                    return ended
+                if s.step >= loop.max_steps:
+                    break
+            s.train_clock.stop()
+            if s.step >= loop.max_steps and s.micro_in_epoch < loop.micro_per_epoch:
+                break  # a step budget ended mid-epoch
+            ended = _after_epoch(loop)
+            if ended is not None:
+                return ended
         if timer is not None:
-            continue  # a benchmark: no evaluation, no checkpoint
-        if (_due(s.epoch, loop.eval_every_epochs) or finished) and s.last_eval_step != s.step:
+            return "success"
+        if s.last_eval_step != s.step:
             evaluate(loop)
-            if loop.stop_at_target and loop.tracker.reached:
-                if loop.checkpoint_at_end:
-                    loop.checkpoints.save(s.step)
-                return "success"
-        if _due(s.epoch, loop.checkpoint_every_epochs) and not finished:
+        if loop.checkpoint_at_end:
             loop.checkpoints.save(s.step)
-    if timer is not None:
-        return "success"
-    if s.last_eval_step != s.step:
+        return (
+            "success"
+            if loop.target_tracker.reached or not loop.target_tracker.targets
+            else "target_not_reached"
+        )
+    except NonFiniteState as exc:
+        s.train_clock.stop()
+        loop.divergence = (exc.step, exc.what)
+        return "diverged"
+
+
+def forward_backward(loop: Loop, micro_batches: list[Any]) -> tuple[torch.Tensor, int]:
+    """Forward and scaled backward of one optimizer step's micro-batches (DDP all-reduces in the last
+    one's backward only); returns (the sum of their losses, the examples they held)."""
+    ddp = isinstance(loop.model, nn.parallel.DistributedDataParallel)
+    loss_sum, examples = torch.zeros((), device=loop.device), 0
+    for i, batch in enumerate(micro_batches):
+        batch = loop.task.to_device(batch, loop.device)
+        examples += loop.task.batch_size(batch)
+        last = i == len(micro_batches) - 1
+        with loop.model.no_sync() if ddp and not last else contextlib.nullcontext():  # type: ignore[operator]
+            with loop.autocast():
+                loss = loop.task.loss(loop.model, batch)
+            scaled = loss / len(micro_batches)
+            (loop.scaler.scale(scaled) if loop.scaler else scaled).backward()
+        loss_sum += loss.detach().float()
+    return loss_sum, examples
+
+
+def optimizer_step(loop: Loop) -> None:
+    """The optimizer's step (through the AMP scaler when there is one), then the schedules' step."""
+    if loop.scaler is not None:
+        loop.scaler.step(loop.optimizer)
+        loop.scaler.update()
+    else:
+        loop.optimizer.step()
+    loop.optimizer.zero_grad(set_to_none=True)
+    loop.scheduler.step()
+
+
+def _count_step(loop: Loop, micro: int, examples: int, t0: float, mean_loss: float) -> None:
+    """Advance the step counters and record the step's time since ``t0`` (``time.perf_counter``), the
+    device synchronised first: its work is done."""
+    s = loop.state
+    s.step += 1
+    s.micro_in_epoch += micro
+    s.samples += examples * loop.world_size
+    if loop.device.type == "cuda":
+        torch.cuda.synchronize(loop.device)
+    s.throughput.add(time.perf_counter() - t0, examples * loop.world_size)
+    if loop.step_timer is not None:
+        loop.step_timer.tick(examples * loop.world_size)
+    loop.recorder.on_step(mean_loss, loop.optimizer.param_groups[0]["lr"])
+
+
+def _after_step(loop: Loop, preempted: bool) -> str | None:
+    """A step's evaluation and checkpoint when due, and a preemption's checkpoint; returns the status that
+    ends the run here (``success`` at the target with ``stop_at_target``, ``preempted``), else None."""
+    s, timer = loop.state, loop.step_timer
+    if timer is None and _due(s.step, loop.eval_every_steps):
         evaluate(loop)
-    if loop.checkpoint_at_end:
+        s.train_clock.start()
+        if loop.stop_at_target and loop.target_tracker.reached:
+            if loop.checkpoint_at_end:
+                loop.checkpoints.save(s.step)
+            return "success"
+    if timer is None and _due(s.step, loop.checkpoint_every_steps):
+        s.train_clock.stop()
         loop.checkpoints.save(s.step)
-    return "success" if loop.tracker.reached or not loop.tracker.targets else "target_not_reached"
+        s.train_clock.start()
+    if preempted:
+        s.train_clock.stop()
+        if timer is None:
+            loop.checkpoints.save(s.step)
+        return "preempted"
+    return None
+
+
+def _after_epoch(loop: Loop) -> str | None:
+    """Close the epoch: its evaluation and checkpoint when due; returns ``success`` when the target ends
+    the run here, else None."""
+    s = loop.state
+    loop.recorder.on_epoch(started=False)
+    s.epoch += 1
+    s.micro_in_epoch = 0
+    finished = s.epoch >= loop.epochs or s.step >= loop.max_steps
+    if loop.step_timer is not None:
+        return None  # a benchmark: no evaluation, no checkpoint
+    if (_due(s.epoch, loop.eval_every_epochs) or finished) and s.last_eval_step != s.step:
+        evaluate(loop)
+        if loop.stop_at_target and loop.target_tracker.reached:
+            if loop.checkpoint_at_end:
+                loop.checkpoints.save(s.step)
+            return "success"
+    if _due(s.epoch, loop.checkpoint_every_epochs) and not finished:
+        loop.checkpoints.save(s.step)
+    return None
 
 
 def _agree(loop: Loop, local_loss: torch.Tensor) -> tuple[float, bool]:
@@ -248,7 +289,7 @@ def evaluate(loop: Loop) -> dict[str, Any]:
         "metrics": metrics,
     }
     s.last_eval_step = s.step
-    first = loop.tracker.update(record)
+    first = loop.target_tracker.update(record)
     loop.recorder.on_eval(record, target_met=first)
     return record
 

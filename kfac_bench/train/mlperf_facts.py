@@ -15,9 +15,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
-from kfac_bench.config.schema import OptimizerName, ScheduleName, ScheduleUnit, WarmupMethod
+from kfac_bench.config.schema import (
+    OptimizerName,
+    RunConfig,
+    ScheduleName,
+    ScheduleUnit,
+    WarmupMethod,
+)
 from kfac_bench.data.base import DataSplits
 from kfac_bench.data.batching import BatchLayout
 from kfac_bench.metrics.mlperf import RunFacts
@@ -27,7 +32,7 @@ __all__ = ["run_facts"]
 
 
 def run_facts(
-    cfg: DictConfig,
+    cfg: RunConfig,
     *,
     batches: BatchLayout,
     splits: DataSplits,
@@ -60,7 +65,7 @@ def run_facts(
 
 
 def hyperparameters(
-    cfg: DictConfig, batches: BatchLayout, max_steps: int, world_size: int
+    cfg: RunConfig, batches: BatchLayout, max_steps: int, world_size: int
 ) -> dict[str, Any]:
     """MLPerf key -> value for the run's batch, optimizer, schedule, model and K-FAC settings."""
     t, o, s = cfg.train, cfg.optimizer, cfg.lr_schedule

@@ -129,3 +129,32 @@ def test_the_multinode_agent_refuses_a_world_that_cannot_keep_the_global_batch_b
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "which 4 ranks cannot keep" in lines[0], lines
     assert "resume on 1 or 2 ranks" in lines[0]
+
+
+def test_a_refusal_every_node_finds_alike_is_printed_once_per_job(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 2-rank run resumed on 2 nodes x 2 ranks under SLURM: srun starts the agent on each node, and both
+    outputs go into the job's one file. Each agent stops with status 2; the line is there once."""
+    from kfac_bench.launcher import rundir
+    from kfac_bench.launcher.agent import main
+    from tests.harness.util import TINY, tiny_cfg
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "last.pt").write_bytes(b"x")
+    record_world(run_dir, World(world_size=2, global_batch=64, batch_size=32))
+    rundir.record_config(run_dir, tiny_cfg())
+    command = ["-m", "kfac_bench.cli", "train", *TINY, f"hydra.run.dir={run_dir}"]
+    printed = []
+    for task in ("0", "1"):
+        monkeypatch.setenv("SLURM_PROCID", task)
+        assert main(["--nnodes=2", "--nproc-per-node=2", *command]) == 2
+        printed += capsys.readouterr().err.strip().splitlines()
+    assert len(printed) == 1 and "which 4 ranks cannot keep" in printed[0], printed
+    # A node's own device problem is still reported by every node.
+    for task in ("0", "1"):
+        monkeypatch.setenv("SLURM_PROCID", task)
+        assert main(["--nnodes=2", "--nproc-per-node=2", *command, "train.device=cuda"]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert "cuda" in line.lower()

@@ -12,7 +12,7 @@ import torch
 
 from kfac_bench.checkpoint.manager import CheckpointManager, RNGState, Stateful, save_atomic
 from kfac_bench.errors import ConfigError
-from kfac_bench.metrics.timekeeping import StageTimes, TargetTracker
+from kfac_bench.metrics.timekeeping import StageTotals, TargetTracker
 from kfac_bench.train.state import TrainState
 
 from .stateful import Counter
@@ -119,14 +119,14 @@ def test_clocks_and_stage_times_accumulate_over_restarts() -> None:
     first = TrainState()
     first.train_clock.offset = 5.0
     first.throughput.add(0.5, 32)
-    stages = StageTimes(FakePreconditioner(seconds=2.0))
+    stages = StageTotals(FakePreconditioner(seconds=2.0))
     state, saved_stages = first.state_dict(), stages.state_dict()
-    second, resumed = TrainState(), StageTimes(FakePreconditioner(seconds=1.0))
+    second, resumed = TrainState(), StageTotals(FakePreconditioner(seconds=1.0))
     second.load_state_dict(state)
     resumed.load_state_dict(saved_stages)
     assert second.train_clock.elapsed == 5.0 and second.throughput.samples == 32
     assert resumed.totals() == {"factor": 3.0}  # 2 s before the restart, 1 s after
-    assert StageTimes(None).totals() == {}
+    assert StageTotals(None).totals() == {}
 
 
 def test_rng_state_round_trip() -> None:

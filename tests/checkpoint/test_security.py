@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from kfac_bench import safe_files
 from kfac_bench.checkpoint import files, torchfile
 from kfac_bench.checkpoint.manager import CheckpointManager, RNGState
 from kfac_bench.checkpoint.warm_start import start_from
@@ -177,7 +178,8 @@ def test_init_from_refuses_a_planted_checkpoint(tmp_path: Path) -> None:
     folder, marker = tmp_path / "phase1" / "checkpoints", tmp_path / "ran"
     folder.mkdir(parents=True)
     planted = _plant(folder, marker)
-    files._point_last(folder, planted)
+    with safe_files.Folder.open(folder) as d:
+        files._point_last(d, planted.name)
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for where in (tmp_path / "phase1", folder / "last.pt"):

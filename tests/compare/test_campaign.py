@@ -15,11 +15,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from kfac_bench.cli import main as cli_main
-from kfac_bench.compare.fairness import run_flags
+from kfac_bench.compare.fairness import MATCHED, SAME_DESIGN, run_flags
 from kfac_bench.compare.report import Comparison, default_out, find_runs, table_rows
 from kfac_bench.config.compose import compose_run
 from kfac_bench.errors import UserError
-from kfac_bench.metrics.summary import CAMPAIGN_ENV, campaign, read_summary, write_summary
+from kfac_bench.metrics.summary import campaign, read_summary, write_summary
 from tests.compare.test_arms import curve, make_run
 
 
@@ -64,7 +64,7 @@ def test_a_baseline_at_the_kfac_recipes_lr_is_flagged_in_table_and_verdict(tmp_p
     cmp = Comparison(find_runs(dirs, on_warning=lambda _: None))
     flag = "baseline not tuned: LR 0.8 taken from the K-FAC recipe digits"
     base, kfac = cmp.rows()
-    assert base["fairness"] == flag and kfac["fairness"] == "ok"
+    assert base["fairness"] == flag and kfac["fairness"] == f"{MATCHED}; {SAME_DESIGN}"
     (line,) = cmp.verdicts()
     assert line.endswith(f"; fairness: {flag}")
 
@@ -73,7 +73,10 @@ def test_tuned_recipes_raise_no_flag_and_changed_values_do(tmp_path: Path) -> No
     sgd = _run(tmp_path / "sgd", "+recipe=digits_sgd")
     kfac = _run(tmp_path / "kfac", "+recipe=digits")
     assert _flags(sgd) == [] and _flags(kfac) == []
-    assert table_rows(find_runs([sgd, kfac]))[0]["fairness"] == "ok"
+    # The row says what it checked, not "ok".
+    base_row, kfac_row = table_rows(find_runs([sgd, kfac]))
+    assert base_row["fairness"] == "tuning record present and matched"
+    assert kfac_row["fairness"].startswith("tuning record present and matched; same dataset, model")
     # A first-order arm ignores the K-FAC damping its recipe inherits from digits; a K-FAC arm does not.
     damped = _run(tmp_path / "damped", "+recipe=digits", "kfac.damping=0.01")
     (flag,) = _flags(damped)
@@ -86,6 +89,54 @@ def test_tuned_recipes_raise_no_flag_and_changed_values_do(tmp_path: Path) -> No
     # K-FAC at SGD's tuned values is unfair to K-FAC: flagged too.
     (kfac_at_sgd,) = _flags(_run(tmp_path / "k", "+recipe=digits_sgd", "kfac=comm_opt"))
     assert kfac_at_sgd == "baseline not tuned: LR 0.1 taken from the sgd recipe digits_sgd"
+
+
+@pytest.mark.parametrize(
+    ("override", "part", "key"),
+    [
+        ("dataset.val_fraction=0.3", "dataset", "dataset.val_fraction 0.3 (baseline 0.2)"),
+        ("model.hidden=16", "model", "model.hidden 16 (baseline 64)"),
+        ("train.epochs=12", "budget", "train.epochs 12 (baseline 30)"),
+        ("train.max_steps=40", "budget", "train.max_steps 40 (baseline unset)"),
+    ],
+)
+def test_an_arm_on_another_dataset_model_or_budget_is_flagged(
+    tmp_path: Path, override: str, part: str, key: str
+) -> None:
+    dirs = [
+        _run(tmp_path / f"{arm}{seed}", f"+recipe={recipe}", f"train.seed={seed}", *extra)
+        for seed in (0, 1)
+        for arm, recipe, extra in (("sgd", "digits_sgd", []), ("kfac", "digits", [override]))
+    ]
+    cmp = Comparison(find_runs(dirs, on_warning=lambda _: None))
+    base, kfac = cmp.rows()
+    assert base["fairness"] == MATCHED
+    assert kfac["fairness"] == f"SGD + K-FAC (COMM-OPT) runs another {part}: {key}"
+    (line,) = cmp.verdicts()
+    assert line.endswith(f"; fairness: SGD + K-FAC (COMM-OPT) runs another {part}: {key}")
+    # Where the data lives is not the data: another dataset.root raises no flag.
+    moved = [
+        _run(tmp_path / f"m{arm}", f"+recipe={recipe}", *extra)
+        for arm, recipe, extra in (("sgd", "digits_sgd", []), ("k", "digits", ["dataset.root=x"]))
+    ]
+    assert not Comparison(find_runs(moved, on_warning=lambda _: None)).flags[1]
+
+
+def test_a_recipes_own_name_makes_an_arm_and_no_run_is_dropped(tmp_path: Path) -> None:
+    # A copy of the digits recipe under another name: the same optimizer and strategy, two arms.
+    dirs = [
+        _run(tmp_path / f"{name}{seed}", "+recipe=digits", f"train.seed={seed}", f"name={name}")
+        for seed in (0, 1, 2)
+        for name in ("digits", "digits_copy")
+    ]
+    # Written as a recipe's name (the summary's config), not given on a command line.
+    assert not any((d / ".hydra").exists() for d in dirs)
+    warnings: list[str] = []
+    runs = find_runs(dirs, on_warning=warnings.append)
+    assert len(runs) == 6 and not warnings
+    cmp = Comparison(runs)
+    assert [g.label for g in cmp.groups] == ["digits", "digits_copy"]
+    assert [len(g.runs) for g in cmp.groups] == [3, 3]
 
 
 def test_a_run_without_a_tuning_record_is_flagged(tmp_path: Path) -> None:
@@ -165,13 +216,10 @@ def test_a_run_given_twice_is_read_once(tmp_path: Path) -> None:
     assert len(runs) == 2 and warnings == [f"{a}: left out: given twice"]
 
 
-def test_the_campaign_is_train_campaign_else_the_sweep_folder_else_none(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv(CAMPAIGN_ENV, raising=False)
+def test_the_campaign_is_train_campaign_else_none() -> None:
+    # A sweep's jobs get their folder as train.campaign when they are composed (tests/config/test_jobs.py).
     assert campaign({"train": {"campaign": None}}) is None
-    monkeypatch.setenv(CAMPAIGN_ENV, "runs/multirun/2026-12-04_10-00-00_abcdef")
-    assert campaign({"train": {}}) == "runs/multirun/2026-12-04_10-00-00_abcdef"
+    assert campaign({"train": {}}) is None
     assert campaign({"train": {"campaign": "lr-study"}}) == "lr-study"
 
 

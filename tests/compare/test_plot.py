@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+from omegaconf import OmegaConf
+
 from kfac_bench.compare.plot import _setting_title, _y_range
 from kfac_bench.compare.report import Comparison, find_runs
+from kfac_bench.config import model_name
+from kfac_bench.config.compose import compose_run
 from tests.compare.test_arms import curve, make_run
 
 
@@ -31,17 +36,33 @@ def test_a_lower_is_better_target_above_every_value_is_in_view() -> None:
     assert low < 1.5 and high > 4.0
 
 
-def test_the_title_names_model_data_batch_and_devices(tmp_path: Path) -> None:
-    config = {
-        "name": "x",
-        "model": {"_target_": "kfac_bench.models.resnet.build_resnet32"},
-        "dataset": {"_target_": "kfac_bench.data.cifar.build_cifar10"},
-        "optimizer": {"name": "sgd"},
-        "kfac": {"enabled": False},
-        "train": {"seed": 0, "batch_size": 128, "global_batch_size": None},
-        "task": {"target_metric": "top1"},
-    }
+@pytest.mark.parametrize(
+    ("recipe", "title"),
+    [
+        ("resnet32_cifar10", "resnet32 on cifar10, global batch 128, ?"),
+        ("resnet50_imagenet", "resnet50 on imagenet, global batch 32, ?"),
+    ],
+)
+def test_the_title_names_model_data_batch_and_devices(
+    recipe: str, title: str, tmp_path: Path
+) -> None:
+    # The config a run of the real recipe records (summary.json holds it resolved).
+    config = OmegaConf.to_container(
+        compose_run([f"+recipe={recipe}"]), resolve=True, enum_to_str=True
+    )
     run = make_run(tmp_path / "a", seed=0, curve=curve(2), epoch_s=1, step_s=0.1, config=config)
     cmp = Comparison(find_runs([run], on_warning=lambda _: None))
     # make_run writes no world size or device: one process, the device unknown.
-    assert _setting_title(cmp) == "resnet32 on cifar10, global batch 128, ?"
+    assert _setting_title(cmp) == title
+
+
+def test_a_model_is_named_as_users_name_it() -> None:
+    assert (
+        model_name({"_target_": "x.build_torchvision_resnet", "arch": "resnet152"}) == "resnet152"
+    )
+    assert model_name({"_target_": "x.cifar_resnet.build_cifar_resnet", "depth": 20}) == "resnet20"
+    assert model_name({"_target_": "kfac_bench.models.bert.build_bert", "preset": "large"}) == (
+        "bert_large"
+    )
+    assert model_name({"_target_": "mymodule.build_mlp"}) == "mlp"
+    assert model_name(None) == "?"

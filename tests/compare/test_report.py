@@ -20,6 +20,7 @@ from kfac_bench.compare.report import (
 )
 from kfac_bench.errors import UserError
 from kfac_bench.train.run import train
+from tests.compare.test_arms import arms
 from tests.harness.util import run_cli, tiny_cfg
 
 
@@ -58,6 +59,30 @@ def test_formats(two_runs: tuple[Path, Path]) -> None:
     assert markdown[-3] == f"*{RATIO_NOTE}*" and markdown[-1].startswith("**Verdict:** ")
     parsed = list(csv.DictReader(io.StringIO(render(runs, "csv"))))
     assert [r["run"] for r in parsed] == [sgd, kfac] and list(parsed[0]) == CSV_COLUMNS
+    # One run per arm: no interval, so no claim; the baseline makes none.
+    assert [(r["claim"], r["epochs_claim"]) for r in parsed] == [("none", "none")] * 2
+
+
+def test_the_claim_columns_say_what_the_verdict_says(tmp_path: Path) -> None:
+    # K-FAC reaches in 3 epochs of 0.1 s, SGD in 9 of 0.1 s, over 3 seeds: faster, fewer epochs.
+    runs = find_runs(arms(tmp_path / "a", [(9, 0.1), (9, 0.11), (8, 0.1)], [(3, 0.1)] * 3))
+    rows = list(csv.DictReader(io.StringIO(render(runs, "csv"))))
+    assert [(r["claim"], r["epochs_claim"]) for r in rows] == [
+        ("none", "none"),
+        ("faster", "fewer"),
+    ]
+    assert "K-FAC faster on the clock" in render(runs, "terminal")
+    # The other way round (K-FAC as slow in epochs, its steps dearer): slower, more epochs.
+    slow = find_runs(arms(tmp_path / "b", [(3, 0.1)] * 3, [(9, 0.1), (9, 0.11), (8, 0.1)]))
+    rows = list(csv.DictReader(io.StringIO(render(slow, "csv"))))
+    assert [(r["claim"], r["epochs_claim"]) for r in rows][1] == ("slower", "more")
+    # Identical arms: no claim either way, and a power figure from their spread instead.
+    same = find_runs(
+        arms(tmp_path / "c", [(5, 0.1), (5, 0.12), (5, 0.09)], [(5, 0.11), (5, 0.1), (5, 0.1)])
+    )
+    rows = list(csv.DictReader(io.StringIO(render(same, "csv"))))
+    assert rows[1]["claim"] == "none" and int(rows[1]["seeds_for_power"]) >= 2
+    assert "to detect a ratio of 0.9 with 80 % power: about" in render(same, "terminal")
 
 
 @pytest.mark.slow

@@ -90,19 +90,43 @@ def test_both_missing_the_same_seed_leaves_no_claim() -> None:
     assert (iv.low, iv.high, iv.claim) == (0.0, math.inf, 0)
 
 
-def test_seeds_needed_shrinks_the_interval_to_exclude_one() -> None:
-    # Log ratios -0.1 +- 0.2 over 3 seeds: the interval holds 1; with the same spread, the number of
-    # seeds named is the first where t * sd / sqrt(m) < 0.1.
-    d = [-0.3, -0.1, 0.1]
-    iv = ratio_interval(_obs([math.exp(x) for x in d]), _obs([1.0, 1.0, 1.0]))
-    assert iv.claim == 0 and iv.seeds_needed is not None
+def test_the_power_figure_is_the_seeds_a_ratio_of_09_needs_at_the_observed_spread() -> None:
+    # Log ratios with sd 0.2 over 3 seeds: the figure is m with power >= 80 % at a true ratio of 0.9,
+    # checked here by simulating that t test (numpy, not the noncentral t the code uses).
+    import numpy as np
     from scipy.stats import t
 
-    sd = statistics.stdev(d)
-    m = iv.seeds_needed
-    assert (
-        t.ppf(0.975, m - 1) * sd / math.sqrt(m) < 0.1 <= t.ppf(0.975, m - 2) * sd / math.sqrt(m - 1)
-    )
+    d = [-0.3, -0.1, 0.1]
+    iv = ratio_interval(_obs([math.exp(x) for x in d]), _obs([1.0, 1.0, 1.0]))
+    assert iv.claim == 0 and iv.spread == pytest.approx(statistics.stdev(d))
+    m = iv.seeds_for_power
+    assert m is not None
+
+    def simulated_power(k: int) -> float:
+        rng = np.random.default_rng(k)
+        x = rng.normal(math.log(0.9), iv.spread, size=(20000, k))
+        stat = np.abs(x.mean(axis=1)) / (x.std(axis=1, ddof=1) / math.sqrt(k))
+        return float((stat > t.ppf(0.975, k - 1)).mean())
+
+    assert simulated_power(m) >= 0.79 and simulated_power(m - 2) < 0.8
+    # Not post-hoc power: the observed ratio does not enter, only the spread (the same log ratios
+    # shifted to an observed ratio of 1, or of 0.8, give the same figure).
+    for shift in (0.1, -0.123):
+        moved = ratio_interval(_obs([math.exp(x + shift) for x in d]), _obs([1.0, 1.0, 1.0]))
+        assert moved.seeds_for_power == m
+    # A wider spread needs more seeds; a censored run gives no spread to base the figure on.
+    wide = ratio_interval(_obs([math.exp(2 * x) for x in d]), _obs([1.0, 1.0, 1.0]))
+    assert wide.seeds_for_power is not None and wide.seeds_for_power > m
+    cut = ratio_interval(_obs([math.exp(x) for x in d], [False, False, True]), _obs([1.0] * 3))
+    assert cut.seeds_for_power is None and cut.spread is None
+
+
+def test_unpaired_runs_get_the_welch_power_figure() -> None:
+    arm = [Obs(v, False, None) for v in (1.0, 1.2, 0.9, 1.1)]
+    base = [Obs(v, False, None) for v in (1.0, 1.1, 1.05, 0.95)]
+    iv = ratio_interval(arm, base)
+    assert iv.method.startswith("Welch") and iv.seeds_for_power is not None
+    assert iv.seeds_for_power >= 2
 
 
 def test_too_few_runs_give_an_open_interval_and_a_zero_value_is_left_out() -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from kfac_bench.models.small_cnn import SmallCNN
+from kfac_bench.train.warmup import warming_up
 
 
 def break_store(store: Path, code: int) -> None:
@@ -54,6 +55,8 @@ class FaultOnce(SmallCNN):
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if warming_up():  # the untimed warm-up step is not a step of the run
+            return super().forward(x)
         if self.training and int(os.environ.get("RANK", "0")) == self.rank:
             self.calls += 1
             if self.calls == self.at and not self.marker.exists() and self.action != "kill_in_save":

@@ -5,18 +5,27 @@ Debian's ``slurm-wlm`` and ``munge`` packages (``.ci/slurm-install`` installs th
 touched): one node with this machine's CPUs and memory (``slurmd -C``), one partition, ``select/cons_tres``
 with cores and memory as consumable resources (each core shared by up to 4 jobs, so that the tests' jobs,
 submitted together, run together), ``proctrack/linuxproc`` (no cgroup set-up needed in a
-container), no accounting, and short timers so that requeues, dependencies and kills take seconds. Ports
-16817/16818 keep clear of a site's own SLURM.
+container), no accounting, and short timers so that requeues, dependencies and kills take seconds.
+
+Each home (``KFAC_BENCH_SLURM_HOME``, default ``/tmp/kfac-bench-slurm``) is its own cluster: its ports are
+derived from the home's path (:func:`derived_ports`, between 20000 and 39999, clear of a site's own SLURM on
+6817/6818), and where either is taken when the cluster starts, free ports are chosen instead; the ports in
+use are those in its ``slurm.conf``. A cluster is *this home's* only when its own daemons run (the pids in
+its pid files, alive and named as the daemon) and the controller that answers is the one keeping its state
+in this home (``scontrol show config``); a controller of another home answering on a port is never adopted.
 
 ``python -m tests.harness.slurm_cluster up|down|status`` starts (or finds running), stops, or reports it; the
 tests' session fixture (tests/harness/test_slurm.py) does ``up`` and, when it started the daemons itself,
-``down`` at its end. ``up`` is idempotent: daemons already answering are reused, stale pid files and dead
-daemons are replaced.
+``down`` at its end. ``up`` is idempotent: this home's daemons already answering are reused, stale pid
+files and dead daemons are replaced; a daemon that dies while starting (a port taken, a bad config) stops
+``up`` with its log.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -61,14 +70,62 @@ def _node() -> tuple[str, int, int]:
     return socket.gethostname().split(".")[0], int(fields["CPUs"]), int(fields["RealMemory"])
 
 
-def config() -> str:
+def derived_ports(home: Path) -> tuple[int, int]:
+    """(slurmctld, slurmd) ports of the cluster at ``home``: two neighbours from a hash of its path, so
+    that clusters of different homes do not collide."""
+    digest = hashlib.sha256(str(Path(home).absolute()).encode()).digest()
+    base = 20000 + 2 * (int.from_bytes(digest[:4], "big") % 10000)
+    return base, base + 1
+
+
+def _free(port: int) -> bool:
+    """Whether a TCP listener could bind ``port`` on every address (as slurmctld and slurmd do)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def _any_free() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def choose_ports(home: Path) -> tuple[int, int]:
+    """The home's derived ports where both are free, else two free ports."""
+    ports = derived_ports(home)
+    if all(_free(p) for p in ports):
+        return ports
+    first = _any_free()
+    second = _any_free()
+    while second == first:
+        second = _any_free()
+    return first, second
+
+
+def conf_ports() -> tuple[int, int] | None:
+    """The ports :data:`CONF` names, or None where it is missing or names none."""
+    try:
+        text = CONF.read_text()
+    except OSError:
+        return None
+    found = [re.search(rf"^{key}=(\d+)$", text, re.M) for key in ("SlurmctldPort", "SlurmdPort")]
+    return (int(found[0].group(1)), int(found[1].group(1))) if found[0] and found[1] else None
+
+
+def config(ports: tuple[int, int]) -> str:
+    """``slurm.conf`` of this home with the (slurmctld, slurmd) ``ports``."""
     name, cpus, memory = _node()
     memory = max(memory - 1024, 512)  # leave the OS some room below what slurmd reports
     return f"""\
 ClusterName=kfacbench
 SlurmctldHost={name}(127.0.0.1)
-SlurmctldPort=16817
-SlurmdPort=16818
+SlurmctldPort={ports[0]}
+SlurmdPort={ports[1]}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -133,32 +190,66 @@ def _answers() -> bool:
     return out.returncode == 0 and out.stdout.strip() in ("idle", "mix", "alloc", "comp")
 
 
+def ours() -> bool:
+    """Whether the controller that answers at :data:`CONF`'s address keeps its state in this home (it is
+    this home's slurmctld, not another cluster's on the same port)."""
+    try:
+        out = subprocess.run(
+            [_tool("scontrol"), "show", "config"],
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=15,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    found = re.search(r"^StateSaveLocation\s*=\s*(\S+)", out.stdout, re.M)
+    return out.returncode == 0 and found is not None and found.group(1) == str(HOME / "state")
+
+
 def running() -> bool:
-    return all(_pid(d) for d in DAEMONS) and _answers()
+    """This home's daemons are alive and its controller answers, with the node taking jobs."""
+    return all(_pid(d) for d in DAEMONS) and _answers() and ours()
+
+
+#: Log lines of a daemon that cannot start (slurmctld and slurmd say "fatal" before they exit).
+_FATAL = re.compile(r"fatal|Address already in use|bind.*failed", re.I)
+
+
+def _logs() -> str:
+    return "".join(
+        f"\n--- {p.name}:\n" + p.read_text(errors="replace")[-2000:]
+        for p in sorted(HOME.glob("*.log"))
+    )
 
 
 def _wait(what: str, ready: object, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not ready():  # type: ignore[operator]
+        failed = [
+            p.name for p in HOME.glob("slurm*.log") if _FATAL.search(p.read_text(errors="replace"))
+        ]
+        if failed:
+            raise RuntimeError(f"SLURM: {what}: {', '.join(failed)} reports a failure{_logs()}")
         if time.monotonic() > deadline:
-            logs = "".join(
-                f"\n--- {p.name}:\n" + p.read_text()[-2000:] for p in sorted(HOME.glob("*.log"))
-            )
-            raise RuntimeError(f"SLURM: {what} not ready after {timeout:.0f} s{logs}")
+            raise RuntimeError(f"SLURM: {what} not ready after {timeout:.0f} s{_logs()}")
         time.sleep(0.2)
 
 
 def up() -> bool:
     """Start whatever of the cluster is not running; True when this call started slurmctld (its caller
     then owns the cluster and stops it with :func:`down`)."""
-    if running() and CONF.exists() and CONF.read_text() == config():
+    ports = conf_ports()
+    if ports is not None and running() and CONF.read_text() == config(ports):
         return False
     down()
     for d in ("state", "spool"):  # a fresh controller: no jobs or node states of an earlier cluster
         shutil.rmtree(HOME / d, ignore_errors=True)
     for d in ("state", "spool", "munge"):
         (HOME / d).mkdir(parents=True, exist_ok=True)
-    CONF.write_text(config())
+    for log in HOME.glob("*.log"):  # the failures _wait looks for are this start's
+        log.unlink()
+    CONF.write_text(config(choose_ports(HOME)))
     (HOME / "munge").chmod(0o755)
     subprocess.run(
         [
@@ -175,7 +266,9 @@ def up() -> bool:
     e = env()
     subprocess.run([_tool("slurmctld"), "-f", str(CONF)], env=e, check=True)
     subprocess.run([_tool("slurmd"), "-f", str(CONF)], env=e, check=True)
-    _wait("the node", _answers)
+    # Ready when this home's own daemons run and the controller answering is this home's: never a
+    # cluster of another home that happens to answer on the port.
+    _wait("the node", running)
     return True
 
 
@@ -212,7 +305,9 @@ def main(argv: list[str]) -> int:
     elif command == "down":
         down()
     elif command == "status":
-        print("running" if running() else "not running", f"(SLURM_CONF={CONF})")
+        print(
+            "running" if running() else "not running", f"(SLURM_CONF={CONF}, ports {conf_ports()})"
+        )
         return 0 if running() else 1
     else:
         print("usage: python -m tests.harness.slurm_cluster up|down|status", file=sys.stderr)

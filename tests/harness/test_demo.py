@@ -69,5 +69,5 @@ def test_demo_checks_its_arguments_before_training(
     assert not (tmp_path / "fresh").exists()
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "sgd_seed0").mkdir()
-    with pytest.raises(UserError, match="--out used is not empty"):
+    with pytest.raises(UserError, match="--out used already holds"):
         demo.main(["--out", "used", "--epochs", "1"])

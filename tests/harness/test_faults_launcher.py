@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kfac_bench.checkpoint.manager import CHECKPOINT_DIR, CheckpointManager
-from kfac_bench.launcher.lifeline import AGENT_PID_ENV, POLL_S
+from kfac_bench.launcher.agent_tie import AGENT_PID_ENV, POLL_S
 from tests.harness.fault_util import (
     env,
     eval_steps,
@@ -55,11 +55,11 @@ time.sleep(600)
 """
 _RANK = """
 import sys, time
-import kfac_bench.launcher.lifeline as lifeline
+import kfac_bench.launcher.agent_tie as agent_tie
 
 if sys.argv[-1] == "poll":
-    lifeline._set_parent_death_signal = lambda signum: False
-tied = lifeline.tie_to_agent() if sys.argv[-1] != "untied" else False
+    agent_tie._set_parent_death_signal = lambda signum: False
+tied = agent_tie.tie_to_agent() if sys.argv[-1] != "untied" else False
 print("tied" if tied else "untied", flush=True)
 time.sleep(600)
 """
@@ -100,9 +100,7 @@ def test_a_rank_whose_agent_is_already_gone_stops_at_once() -> None:
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True
     )
     dead_pid = int(gone.stdout)
-    code = (
-        "from kfac_bench.launcher.lifeline import tie_to_agent; tie_to_agent(); print('trained on')"
-    )
+    code = "from kfac_bench.launcher.agent_tie import tie_to_agent; tie_to_agent(); print('trained on')"
     result = subprocess.run(
         [sys.executable, "-c", code],
         env=env(**{AGENT_PID_ENV: str(dead_pid)}),
@@ -115,7 +113,7 @@ def test_a_rank_whose_agent_is_already_gone_stops_at_once() -> None:
 
 def test_a_process_that_is_not_the_agents_child_is_left_alone() -> None:
     # The variable reaches the ranks' own children (DataLoader workers, a tool a rank runs): not theirs.
-    code = "from kfac_bench.launcher.lifeline import tie_to_agent; print(tie_to_agent())"
+    code = "from kfac_bench.launcher.agent_tie import tie_to_agent; print(tie_to_agent())"
     result = subprocess.run(
         [sys.executable, "-c", code],
         env=env(**{AGENT_PID_ENV: "1"}),

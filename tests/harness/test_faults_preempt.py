@@ -177,3 +177,28 @@ def test_a_submitit_sweep_member_is_requeued_by_submitit_and_resumes(tmp_path: P
     s = summary(job)
     assert s["status"] in ("success", "target_not_reached") and s["steps"] == 12
     assert eval_steps(job) == [6, 12] and not (job / PREEMPTED_FILE).exists()
+
+
+def test_a_sweep_stops_at_a_signal_and_the_same_command_finishes_it(tmp_path: Path) -> None:
+    # SIGTERM in the first job's step 3: that job checkpoints, no other job starts, exit 75.
+    args = [
+        "train",
+        "-m",
+        "hydra.sweep.dir=sweep",
+        *TINY,
+        "kfac=none",
+        "train.seed=0,1,2",
+        *fault(Path("fault"), at=3, action="TERM"),
+    ]
+    stopped = run(*args, cwd=tmp_path, timeout=240)
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert "2 of its 3 jobs not started" in stopped.stdout
+    sweep = tmp_path / "sweep"
+    (job,) = [p for p in sweep.iterdir() if p.is_dir()]
+    assert summary(job)["status"] == "preempted" and (job / PREEMPTED_FILE).exists()
+    # The same command finishes the sweep: the stopped job resumes, the others run.
+    again = run(*args, cwd=tmp_path, timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert len(jobs) == 3 and all(summary(j)["status"] != "preempted" for j in jobs)
+    assert "resumed at step 3" in again.stdout

@@ -157,10 +157,10 @@ def test_a_run_dir_that_cannot_be_written_is_one_line(
 ) -> None:
     real_open = os.open
 
-    def read_only(path: object, flags: int, *args: object) -> int:
+    def read_only(path: object, flags: int, *args: object, **kwargs: object) -> int:
         if str(path).endswith(rundir.LOCK_FILE) and flags & os.O_CREAT:
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
-        return real_open(path, flags, *args)  # type: ignore[arg-type]
+        return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "open", read_only)
     with pytest.raises(Exception) as info:

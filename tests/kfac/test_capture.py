@@ -369,7 +369,7 @@ def test_state_dict_round_trip_with_excluded_layers_resumes_bit_identically(
     p1 = KFACPreconditioner(first, **kwargs)
     opt1 = torch.optim.SGD(first.parameters(), lr=0.1, momentum=0.9)
     _train(first, p1, opt1, range(stop))
-    assert "layer.self_attn.out_proj" in p1.coverage().left_out["used_functionally"]
+    assert p1.layers["layer.self_attn.out_proj"].ready and p1.layers["layer.self_attn.q_proj"].ready
     assert not p1.layers["unused"].ready
     state = copy.deepcopy(
         {

@@ -35,19 +35,21 @@ def test_buckets_group_consecutive_factors_of_one_target_under_the_cap() -> None
     cap_mb = 100 / 2**20
     entries = [("a", 3, None), ("b", 4, None), ("c", 2, None), ("d", 6, None), ("e", 2, 0)]
     got = make_buckets(entries, 4, cap_mb, symmetry_aware=False)
-    # 9 + 16 = 25 fit; +4 would not. d (36 > 25) is alone; e has another target.
+    # 9 + 16 = 25 fit; +4 would not. d (36 > 25) is alone; e has another target. Each bucket also
+    # carries one weight per factor and the rank's loss terms (not counted against the cap).
     assert got == [
-        Bucket(["a", "b"], None, 25),
-        Bucket(["c"], None, 4),
-        Bucket(["d"], None, 36),
-        Bucket(["e"], 0, 4),
+        Bucket(["a", "b"], None, 25 + 3),
+        Bucket(["c"], None, 4 + 2),
+        Bucket(["d"], None, 36 + 2),
+        Bucket(["e"], 0, 4 + 2),
     ]
+    assert [b.dims for b in got] == [[3, 4], [2], [6], [2]]
     packed = make_buckets(entries, 4, cap_mb, symmetry_aware=True)
     # Upper triangles: 6, 10, 3, 21, 3 elements -> 6+10+3 = 19, then 21 alone (19+21 > 25).
     assert [(b.keys, b.numel) for b in packed] == [
-        (["a", "b", "c"], 19),
-        (["d"], 21),
-        (["e"], 3),
+        (["a", "b", "c"], 19 + 4),
+        (["d"], 21 + 2),
+        (["e"], 3 + 2),
     ]
 
 
@@ -68,6 +70,7 @@ def bytes_worker(rank: int, world: int, fraction: str, options: dict[str, Any]) 
     return {
         "per_step": per_step,
         "dims": [(s.a_dim, s.g_dim) for s in p.layers.values()],
+        "buckets": len(p.comm.buckets),
         "blocks": [s.work.grad_workers for s in p.layers.values()],  # type: ignore[union-attr]
     }
 
@@ -91,6 +94,7 @@ def test_payload_bytes_are_the_sizes_of_what_each_collective_carries(
         (lambda d: d * (d + 1) // 2) if options.get("symmetry_aware") else (lambda d: d * d)
     )
     factors = factor_size * sum(per_factor(a) + per_factor(g) for a, g in dims)
+    factors += factor_size * (2 * len(dims) + results[0]["buckets"])  # weights, terms per bucket
     kind = "factor_reduce" if options.get("factor_reduction") == "reduce" else "factor_allreduce"
     # Eigen parts in float64: Q_A, λ_A, Q_G, λ_G and the outer product 1/(λ_G λ_Aᵀ + γ).
     parts = [8 * (a * a + a + g * g + g + g * a) for a, g in dims]

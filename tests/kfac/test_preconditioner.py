@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac_bench.kfac import KFACPreconditioner
+from kfac_bench.kfac import ComputeMethod, FactorScaling, KFACPreconditioner
 
 
 def mlp(d: int = 6) -> nn.Module:
@@ -209,7 +209,7 @@ def test_remove_restores_plain_training() -> None:
         assert torch.equal(a, b)
 
 
-def test_multihead_attention_out_proj_is_left_out_as_used_functionally(
+def test_multihead_attention_skipped_by_rule_leaves_out_proj_out_as_used_functionally(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     class Attn(nn.Module):
@@ -225,10 +225,12 @@ def test_multihead_attention_out_proj_is_left_out_as_used_functionally(
 
     model = Attn()
     with caplog.at_level(logging.INFO, logger="kfac_bench.kfac"):
-        p = KFACPreconditioner(model)
-    # out_proj is an nn.Linear, but F.multi_head_attention_forward reads its weight directly.
+        p = KFACPreconditioner(model, skip_layers=["MultiheadAttention"])
+    # Skipped, the attention module runs its own forward: F.multi_head_attention_forward reads out_proj's
+    # weight directly, so that nn.Linear is left out, not preconditioned from hooks that never fire.
     assert "attn.out_proj" not in p.layers and set(p.layers) == {"inp", "out"}
     assert p.coverage().left_out["used_functionally"] == ("attn.out_proj",)
+    assert p.coverage().left_out["skipped_by_rule"] == ("attn",)
     assert any("used functionally 1 (attn.out_proj)" in r.getMessage() for r in caplog.records)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for _ in range(3):
@@ -353,10 +355,19 @@ def test_invalid_options_fail_at_construction() -> None:
 
 
 def test_accepts_string_options_and_unbatched_inputs() -> None:
-    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(0), nn.Linear(3 * 4 * 4, 2))
-    p = KFACPreconditioner(model, compute_method="inverse", factor_scaling="kaisa")
-    model(
-        torch.randn(2, 6, 6)
-    ).sum().backward()  # unbatched (C, H, W) input; Linear on a 1-D tensor
-    p.step()
-    assert all(layer.a_factor is not None for layer in p.layers.values())
+    def preconditioned(**options: object) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(0), nn.Linear(3 * 4 * 4, 2))
+        p = KFACPreconditioner(model, **options)  # type: ignore[arg-type]
+        torch.manual_seed(1)
+        # An unbatched (C, H, W) input; the Linear layer sees a 1-D tensor.
+        model(torch.randn(2, 6, 6)).sum().backward()
+        p.step()
+        return [q.grad.clone() for q in model.parameters() if q.grad is not None]
+
+    strings = preconditioned(compute_method="inverse", factor_scaling="kaisa")
+    enums = preconditioned(compute_method=ComputeMethod.INVERSE, factor_scaling=FactorScaling.KAISA)
+    default = preconditioned()
+    # The strings select exactly the enums' behaviour, which is not the default's.
+    assert all(torch.equal(a, b) for a, b in zip(strings, enums))
+    assert not all(torch.allclose(a, b) for a, b in zip(strings, default))

@@ -171,9 +171,9 @@ def release_worker(rank: int, world: int) -> list[dict[str, Any]]:
     grams: list[weakref.ref[torch.Tensor]] = []
     original = StepReduction.add
 
-    def add(self: StepReduction, key: str, tensor: torch.Tensor) -> None:
+    def add(self: StepReduction, key: str, tensor: torch.Tensor, count: int = 1) -> None:
         handed[key] = weakref.ref(tensor)
-        original(self, key, tensor)
+        original(self, key, tensor, count)
 
     checks: list[dict[str, Any]] = []
 

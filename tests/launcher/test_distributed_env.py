@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kfac_bench.launcher.distributed import detect, first_host
-from kfac_bench.launcher.torchrun import inside_launched_worker, outside_job_env, torchrun_args
+from kfac_bench.launcher.torchrun import outside_job_env, torchrun_args
 
 
 def test_torchrun_variables() -> None:
@@ -51,14 +51,24 @@ def test_first_host_forms() -> None:
 
 
 def test_launcher_detects_workers_and_builds_torchrun_arguments(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    assert not inside_launched_worker({})
-    assert inside_launched_worker({"TORCHELASTIC_RUN_ID": "x"})
-    args = torchrun_args(
-        ["kfac=none"], tmp_path, nproc_per_node=2, max_restarts=3, monitor_interval=0.5
+    assert not detect({}).launched and not detect({}).elastic
+    assert (
+        detect({"TORCHELASTIC_RUN_ID": "x"}).launched
+        and detect({"TORCHELASTIC_RUN_ID": "x"}).elastic
     )
+    assert detect({"SLURM_NTASKS": "4", "SLURM_PROCID": "2"}).launched
+    assert not detect(
+        {"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}
+    ).launched  # a one-task job is a job
+    args = torchrun_args(tmp_path, nproc_per_node=2, max_restarts=3, monitor_interval=0.5)
     assert "--nproc-per-node=2" in args and "--max-restarts=3" in args
-    assert args[args.index("-m") + 1 : args.index("-m") + 3] == ["kfac_bench.cli", "train"]
-    assert f"hydra.run.dir='{tmp_path.resolve()}'" in args and "kfac=none" in args
+    # Every rank trains the config the launcher recorded in the run directory: no overrides of its own.
+    assert args[args.index("-m") + 1 :] == [
+        "kfac_bench.cli",
+        "train",
+        "--rank-of",
+        str(tmp_path.resolve()),
+    ]
 
 
 def test_a_child_started_outside_the_job_is_not_taken_for_one_of_its_ranks() -> None:
@@ -72,8 +82,8 @@ def test_a_child_started_outside_the_job_is_not_taken_for_one_of_its_ranks() -> 
         "MASTER_ADDR": "n0",
         "PATH": "/bin",
     }
-    assert inside_launched_worker(rank_env)
+    assert detect(rank_env).launched
     child = outside_job_env(rank_env)
-    assert not inside_launched_worker(child) and detect(child).world_size == 1
+    assert not detect(child).launched and detect(child).world_size == 1
     assert child == {"MASTER_ADDR": "n0", "PATH": "/bin"}  # everything else is kept
     assert "RANK" in rank_env  # the given mapping is not changed

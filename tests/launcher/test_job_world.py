@@ -79,11 +79,13 @@ def test_the_world_of_each_way_a_job_starts(monkeypatch: pytest.MonkeyPatch) -> 
 def test_launcher_torchrun_checks_the_device_and_the_resume_on_one_world(
     tmp_path: Path, seen: dict[str, int]
 ) -> None:
-    from kfac_bench.commands.train import _job
+    from kfac_bench.commands.train import _checked_world
+    from kfac_bench.config.jobs import compose_jobs
 
-    cfg = compose_run([*TINY, "launcher=torchrun", "launcher.nproc_per_node=3"])
+    overrides = [*TINY, "launcher=torchrun", "launcher.nproc_per_node=3"]
+    [job] = compose_jobs([*overrides, f"hydra.run.dir={tmp_path / 'run'}"], multirun=False)
     with pytest.raises(_Stop):
-        _job(cfg, tmp_path / "run", [])
+        _checked_world(job.run_config, job.run_dir)
     assert seen == {"device": 3, "launch": 3}
 
 

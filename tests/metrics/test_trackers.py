@@ -231,7 +231,7 @@ def test_an_unusable_tensorboard_dir_is_refused_before_training(tmp_path: Path) 
 
 
 def test_an_unreachable_mlflow_server_is_refused_quickly(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     import socket
     import time
@@ -252,6 +252,8 @@ def test_an_unreachable_mlflow_server_is_refused_quickly(
     message = str(info.value)
     assert "\n" not in message and f"127.0.0.1:{port}" in message and "start the server" in message
     assert not (tmp_path / "eval.jsonl").exists()
+    # The refusal is the one line: urllib3's retry warnings do not reach the job's log (stdout).
+    assert "Retrying" not in caplog.text
 
 
 def test_a_resume_may_move_to_another_mlflow_store(

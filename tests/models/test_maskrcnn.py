@@ -108,3 +108,15 @@ def test_backbone_weights_errors_name_the_setting(tmp_path: Path) -> None:
 def test_trainable_backbone_layers_range_is_checked() -> None:
     with pytest.raises(ConfigError, match="trainable_backbone_layers=6"):
         build_maskrcnn(trainable_backbone_layers=6)
+
+
+def test_backbone_weights_that_would_run_code_are_refused_never_loaded(tmp_path: Path) -> None:
+    # The file goes through the checkpoint reader (weights only), like every torch file a run reads.
+    from collections import OrderedDict
+
+    from kfac_bench.checkpoint.torchfile import RefusedFile
+
+    planted = tmp_path / "planted.pt"
+    torch.save({"state_dict": OrderedDict(), "hook": Path("/etc/passwd")}, planted)
+    with pytest.raises(RefusedFile, match="backbone_weights"):
+        build_maskrcnn(backbone_weights=str(planted))

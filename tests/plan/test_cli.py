@@ -4,6 +4,7 @@ leaves untouched."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -115,7 +116,7 @@ def test_plan_writes_its_schema_a_plot_and_a_recommendation(tmp_path: Path) -> N
         ),
         (
             ["+recipe=digits", f"plan.profile_file={PAPER_PROFILE}"],
-            "was measured on model 'resnet50', the recipe 'digits' plans 'build_small_cnn'",
+            "was measured on model 'resnet50', the recipe 'digits' plans 'small_cnn'",
         ),
     ],
 )
@@ -163,12 +164,14 @@ def test_an_output_that_cannot_be_a_folder_stops_before_the_work(
 def test_the_default_output_is_a_fresh_folder_under_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Without plan.out the files go to runs/plan/<recipe>_<date>-<time>/ (runs/ is git-ignored); without a
-    profile the time to solution is an empty list and the reason."""
+    """Without plan.out the files go to runs/plan/<recipe>_<date>_<time>_<uid>/ (runs/ is git-ignored);
+    without a profile the time to solution is an empty list and the reason."""
     monkeypatch.chdir(tmp_path)
     assert main(["plan", "+recipe=digits", "plan.world_sizes=[2]"]) == 0
     (folder,) = (tmp_path / "runs" / "plan").iterdir()
-    assert folder.name.startswith("digits_") and len(folder.name) == len("digits_20260101-000000")
+    # <recipe>_<date>_<time>_<6 random hex digits>, as every command's default output folder: two plans
+    # in one second get two folders.
+    assert re.fullmatch(r"digits_\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_[0-9a-f]{6}", folder.name)
     assert sorted(p.name for p in folder.iterdir()) == ["plan.json", "plan.png"]
     plan = json.loads((folder / "plan.json").read_text())
     assert plan["time_to_solution"] == []
@@ -206,4 +209,6 @@ def test_plan_with_the_paper_profile_prints_the_time_to_solution(tmp_path: Path)
     assert all(e["minutes"] > 0 for e in entries)
     table = result.stdout[result.stdout.index("time to solution") :]
     at_64 = next(line for line in table.splitlines() if line.split()[:1] == ["64"])
-    assert "50/500" in at_64 and f"{entries[4]['minutes']:.1f}" in at_64
+    k = entries[5]
+    assert k["arm"] == "comm_opt" and "50/500" in at_64
+    assert f"{k['minutes']:.0f} ({k['minutes_low']:.0f}–{k['minutes_high']:.0f})" in at_64

@@ -29,3 +29,20 @@ def test_the_maximum_itself_is_accepted() -> None:
     assert parse_plan_config([f"world_sizes=[{MAX_WORLD_SIZE}]"]).world_sizes == [MAX_WORLD_SIZE]
     with pytest.raises(ConfigError):
         parse_plan_config([f"world_sizes=[{MAX_WORLD_SIZE + 1}]"])
+
+
+@pytest.mark.parametrize(
+    ("item", "named"),
+    [
+        ("bandwidth_gb_s=inf", "plan.bandwidth_gb_s=inf must be a finite number"),
+        ("latency_us=nan", "plan.latency_us=nan must be a finite number"),
+        ("memory_budget_gb=1e300", "plan.memory_budget_gb=1e+300 must be a finite number <= 1e+06"),
+        ("kfac_epochs=0", "plan.kfac_epochs=0 must be >= 1"),
+        ("baseline_max_steps=100000000000", "must be >= 1 and <= 10000000"),
+        ("dataset_size=1000000000000000", "plan.dataset_size=1000000000000000 must be >= 1 and <="),
+    ],
+)
+def test_every_plan_number_is_bounded(item: str, named: str) -> None:
+    with pytest.raises(ConfigError, match=None) as err:
+        parse_plan_config([item])
+    assert named in str(err.value) and "\n" not in str(err.value)

@@ -202,8 +202,9 @@ def test_kfac_preconditions_exactly_the_heads_without_a_coverage_warning(
             model, cfg.kfac, steps_per_epoch=10, world_size=1, accumulation_steps=1, lr=0.08
         )
     assert set(precond.layers) == expected
-    # The transposed convolution is not supported: plain gradient, listed once in the log.
-    assert caplog.text.count("roi_heads.mask_predictor.conv5_mask") == 1
+    # The transposed convolution is not supported: plain gradient, its reason given once in the log.
+    assert caplog.text.count("left out (plain gradient) roi_heads.mask_predictor.conv5_mask") == 1
+    assert caplog.text.count("a transposed convolution's patches") == 1
     # Heads-only is the intended placement (TPDS §6.3.2): below the engine's default threshold, yet no
     # warning, because the recipe sets its threshold under it; the default one would warn.
     coverage = precond.coverage()

@@ -1,8 +1,9 @@
 """WHAT each layer type contributes to K-FAC: a plain registry from module type to handler.
 
-``nn.Linear`` and ``nn.Conv2d`` are registered here, the layer types of the papers (SC20 §V); every other
-module keeps its plain gradient. Other code registers more types the same way, e.g. a Linear-equivalent layer
-that stores its weight transposed::
+``nn.Linear`` and ``nn.Conv2d`` are registered here, the layer types of the papers (SC20 §V), with
+``nn.Conv1d`` (:mod:`.conv1d`) and the q/k/v projections of ``nn.MultiheadAttention`` (:mod:`.attention`);
+every other module keeps its plain gradient. Other code registers more types the same way, e.g. a
+Linear-equivalent layer that stores its weight transposed::
 
     register_layer_type(Conv1D, LinearHandler(transposed=True))
 
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from .attention import AttentionProjection, AttentionProjectionHandler
 from .base import Gram, LayerHandler, WeightBiasHandler
+from .conv1d import Conv1dHandler
 from .conv2d import Conv2dHandler
 from .linear import LinearHandler
 
@@ -85,8 +88,13 @@ def handler_for(module: nn.Module) -> LayerHandler | None:
 
 register_layer_type(nn.Linear, LinearHandler())
 register_layer_type(nn.Conv2d, Conv2dHandler())
+register_layer_type(nn.Conv1d, Conv1dHandler())
+register_layer_type(AttentionProjection, AttentionProjectionHandler())
 
 __all__ = [
+    "AttentionProjection",
+    "AttentionProjectionHandler",
+    "Conv1dHandler",
     "Conv2dHandler",
     "Gram",
     "LayerHandler",

@@ -72,7 +72,7 @@ def tie_to_agent(env: Mapping[str, str] | None = None) -> bool:
             pass
         return False  # the agent lives, but is not our parent: not one of its ranks
     if not _set_parent_death_signal(signal.SIGKILL):
-        threading.Thread(target=_watch, args=(agent,), name="kfac-lifeline", daemon=True).start()
+        threading.Thread(target=_watch, args=(agent,), name="kfac-agent-tie", daemon=True).start()
     if os.getppid() != agent:  # it died between the check and the prctl
         _die()
     return True
