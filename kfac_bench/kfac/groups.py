@@ -22,7 +22,8 @@ __all__ = ["fold_running", "stack"]
 
 def stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """``torch.stack(tensors)``; without a copy when they are consecutive views of one tensor's leading
-    dimension (``base[i]``, ``base[i + 1]``, …: a slice of it is returned), or just one tensor."""
+    dimension (``base[i]``, ``base[i + 1]``, …: a slice of it is returned), or just one tensor; column-major
+    matrices are stacked column-major."""
     first = tensors[0]
     if len(tensors) == 1:
         return first.unsqueeze(0)
@@ -49,6 +50,10 @@ def stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
             )
         ):
             return base.narrow(0, start, len(tensors))
+    if first.dim() == 2 and not first.is_contiguous() and first.mT.is_contiguous():
+        # Column-major matrices (eigh's eigenvectors) stay column-major, as a batched decomposition's
+        # own output is: the batched GEMMs then take the same kernels, bit for bit (e.g. after a resume).
+        return torch.stack([t.mT for t in tensors]).mT
     return torch.stack(list(tensors))
 
 
