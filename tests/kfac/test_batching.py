@@ -84,3 +84,73 @@ def test_conv_output_grams_together_equal_each_calls(shape: tuple[int, ...]) -> 
         want = handler.g_gram(conv, g, torch.float64)
         torch.testing.assert_close(got.sum, want.sum, rtol=1e-12, atol=1e-12)
         assert (got.examples, got.positions) == (want.examples, want.positions)
+
+
+@pytest.mark.parametrize(
+    "conv", [dict(kernel_size=3, padding=1), dict(kernel_size=2, stride=2, dilation=2, bias=False)]
+)
+def test_conv1d_grams_together_equal_each_calls(conv: dict) -> None:
+    from kfac_bench.kfac.layers.conv1d import Conv1dHandler
+
+    handler, layer = Conv1dHandler(), nn.Conv1d(3, 5, **conv)
+    bias = layer.bias is not None
+    xs = [torch.randn(4, 3, 9, dtype=torch.float64) for _ in range(3)]
+    gs = [layer.double()(x).detach().normal_() for x in xs]
+    key = handler.batch_key(layer, xs[0], bias)
+    assert key is not None and key == handler.batch_key(layer, xs[1], bias)
+    a = handler.a_grams([layer] * 3, xs, torch.float64, bias)
+    g = handler.g_grams([layer] * 3, gs, torch.float64)
+    for got_a, got_g, x, gi in zip(a, g, xs, gs):
+        for got, want in (
+            (got_a, handler.a_gram(layer, x, torch.float64, bias)),
+            (got_g, handler.g_gram(layer, gi, torch.float64)),
+        ):
+            torch.testing.assert_close(got.sum, want.sum, rtol=1e-12, atol=1e-12)
+            assert (got.examples, got.positions) == (want.examples, want.positions)
+
+
+class _ConvAttention(nn.Module):
+    """Two same-shaped Conv1d, self-attention (q/k/v and out_proj: one shape group) and a Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1, self.c2 = nn.Conv1d(6, 6, 3, padding=1), nn.Conv1d(6, 6, 3, padding=1)
+        self.attn = nn.MultiheadAttention(6, 2, batch_first=True)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c2(torch.tanh(self.c1(x))).transpose(1, 2)
+        return self.head(self.attn(h, h, h, need_weights=False)[0]).mean(1)
+
+
+def _expand_factors(batched: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, torch.Tensor]:
+    """Running factors under ``'expand'`` after two steps of two micro-batches, each beside a forward on
+    other rows whose output is kept alive but never backpropagated (it must count nowhere)."""
+    with monkeypatch.context() as m:
+        if not batched:
+            m.setattr(PendingGrams, "key", staticmethod(lambda layer, x: None))
+        model = _ConvAttention().double()
+        p = KFACPreconditioner(model, accumulation_steps=2, factor_scaling="expand")
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            for _ in range(2):
+                spare = model(torch.randn(7, 6, 5, generator=g, dtype=torch.float64))
+                assert bool(p.capture.batch.keys) == batched
+                model(
+                    torch.randn(3, 6, 5, generator=g, dtype=torch.float64)
+                ).square().sum().backward()
+                del spare
+            p.step()
+        assert all(s.ready for s in p.layers.values())
+        return {f"{n}/{k}": getattr(s, f"{k}_factor") for n, s in p.layers.items() for k in "ag"}
+
+
+def test_batched_attention_and_conv1d_factors_equal_the_per_call_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    want = _expand_factors(False, monkeypatch)
+    got = _expand_factors(True, monkeypatch)
+    assert set(got) == set(want) and len(want) == 2 * 7  # c1, c2, q, k, v, out_proj, head
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-12, msg=k)
