@@ -6,7 +6,8 @@ When a layer's handler implements :class:`~.layers.base.BatchedGrams`, the captu
 and output gradient here instead of computing its grams on arrival. Calls are keyed by the handler's
 ``batch_key`` (one shape, one geometry); a key's calls are computed together when the last call of the
 key recorded in the running forward has its gradient (or when what they hold passes
-:data:`MAX_HELD_BYTES`, or at the end of the backward pass), and each call's grams then go where the
+:data:`MAX_HELD_BYTES`, or at the end of the backward pass: a recorded call that the pass does not reach keeps
+its key waiting until then), and each call's grams then go where the
 per-call path puts them. The grams are the same sums as the per-call path's, computed by batched kernels.
 
 The inputs held are the ones autograd holds for the layers' own backward anyway until their gradient

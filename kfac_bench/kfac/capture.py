@@ -4,9 +4,9 @@ A forward hook computes the input factor's contribution of one call from the lay
 hook on the autograd node that produced the layer output; when backward reaches that node, the hook computes
 the output-gradient factor's contribution of the same call. A call's two contributions are added to the
 layer's sums together, once its backward pass is known (see :func:`kfac_bench.kfac.factors.fold`). For
-handlers with batched grams (Linear, Conv2d) both contributions are computed together with those of the
-same-shaped calls of other layers, once the last of them has its gradient (:mod:`.batching`); the sums
-are the same.
+handlers with batched grams (Linear-type, Conv2d, Conv1d) both contributions are computed together with
+those of the same-shaped calls of other layers, once the last of them has its gradient
+(:mod:`.batching`); the sums are the same.
 
 Contract (what a training loop may do):
 
