@@ -17,6 +17,7 @@ the key's completion, bounded by :data:`MAX_HELD_BYTES` per key.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,8 +65,9 @@ class PendingGrams:
     def key(layer: LayerState, x: torch.Tensor) -> Hashable | None:
         """The batch key of a call of ``layer`` on ``x``, None when its handler computes calls one by one."""
         handler = layer.handler
-        if not isinstance(handler, BatchedGrams):
+        if not batches(handler):
             return None
+        assert isinstance(handler, BatchedGrams)
         key = handler.batch_key(layer.module, x, layer.bias)
         return None if key is None else (id(handler), layer.a_dim, layer.g_dim, key)
 
@@ -121,6 +123,23 @@ class PendingGrams:
         g = handler.g_grams(modules, gs, self.dtype)  # type: ignore[arg-type]
         for h, ag, gg in zip(ready, a, g):
             self.deliver(h.layer, ag, gg, h.scale)
+
+
+def batches(handler: object) -> bool:
+    """Whether ``handler`` computes its layers' grams in batches: it implements :class:`BatchedGrams`, and
+    its per-call ``a_gram``/``g_gram`` are those of the class that gives it ``a_grams``/``g_grams`` (a
+    subclass that overrides a per-call gram but not its batched form, e.g. a scaled ``LinearHandler``,
+    is computed call by call, with its own grams)."""
+    return isinstance(handler, BatchedGrams) and _own_batched_grams(type(handler))
+
+
+@functools.cache
+def _own_batched_grams(cls: type) -> bool:
+    for one, many in (("a_gram", "a_grams"), ("g_gram", "g_grams")):
+        owner = next(c for c in cls.__mro__ if many in vars(c))
+        if getattr(cls, one) is not getattr(owner, one):
+            return False
+    return True
 
 
 def _nbytes(t: torch.Tensor) -> int:

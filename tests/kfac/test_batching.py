@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -9,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kfac_bench.kfac import KFACPreconditioner
 from kfac_bench.kfac.batching import PendingGrams
+from kfac_bench.kfac.layers import Gram
 
 
 def _model() -> nn.Module:
@@ -154,3 +157,28 @@ def test_batched_attention_and_conv1d_factors_equal_the_per_call_ones(
     assert set(got) == set(want) and len(want) == 2 * 7  # c1, c2, q, k, v, out_proj, head
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-12, msg=k)
+
+
+def test_a_subclass_with_its_own_per_call_gram_is_not_batched() -> None:
+    from kfac_bench.kfac.batching import batches
+    from kfac_bench.kfac.layers.attention import AttentionProjectionHandler
+    from kfac_bench.kfac.layers.conv1d import Conv1dHandler
+    from kfac_bench.kfac.layers.conv2d import Conv2dHandler
+    from kfac_bench.kfac.layers.linear import LinearHandler
+
+    class OwnG(LinearHandler):
+        def g_gram(self, module: nn.Module, g: torch.Tensor, dtype: torch.dtype) -> Gram:
+            return super().g_gram(module, 2 * g, dtype)
+
+    class Both(OwnG):
+        def g_grams(self, modules: Any, gs: Any, dtype: torch.dtype) -> list[Gram]:
+            return super().g_grams(modules, [2 * g for g in gs], dtype)
+
+    for handler in (
+        LinearHandler(),
+        AttentionProjectionHandler(),
+        Conv2dHandler(),
+        Conv1dHandler(),
+    ):
+        assert batches(handler), handler
+    assert not batches(OwnG()) and batches(Both())
