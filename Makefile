@@ -64,7 +64,7 @@ test: ruff  ## lint and the whole suite but the GPU tests: test-fast and test-sl
 	wait $$mypy; typed=$$?; echo "$(MYPY):"; cat $(VENV)/mypy.log; \
 	exit $$(( tests != 0 || typed != 0 ))
 
-bench: $(STAMP)  ## K-FAC overhead benchmark (CPU): step-time ratios K-FAC/SGD by stage; ARGS=--quick: a smoke run
+bench: $(STAMP)  ## K-FAC overhead benchmark (CPU): step-time ratios K-FAC/SGD by stage, then compute ops per step by stage; ARGS=--quick: a smoke run
 	$(BIN)/python -m benchmarks.overhead $(ARGS)
 
 gpu-check: $(STAMP)  ## GPU readiness check on one CUDA device (~5 min) -> gpu-report.json/.md, gpu-profile.yaml (a plan profile); ARGS=--dry-run: CPU rehearsal

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks import ops
 from benchmarks.kfac_pytorch_reference import out_of_place, reference_factory
 from benchmarks.training_step import (
     PHASES,
@@ -430,6 +431,17 @@ def parser() -> argparse.ArgumentParser:
     quick = "digits only, cadence 1/2, one warm-up step (a smoke run)"
     ap.add_argument("--quick", action="store_true", help=quick)
     ap.add_argument("--json", help="write the results here as JSON")
+    ap.add_argument(
+        "--ops",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also count compute ops per step by stage (benchmarks/ops.py; --quick: 2 steps)",
+    )
+    ap.add_argument(
+        "--op-rules",
+        default="cuda",
+        help="count the ops with this device type's kernel choices (default cuda: what a GPU launches)",
+    )
     return ap
 
 
@@ -453,10 +465,30 @@ def main(argv: list[str] | None = None) -> int:
         # Each workload's block once, as it is measured; the legend once, under the last.
         print(table(rows[-1:], legend=False) + "\n", flush=True)
     print(LEGEND)
+    op_rows = []
+    if args.ops:
+        print()
+        for name in args.workloads:
+            print(f"counting ops of {name} at {f}/{k} ...", file=sys.stderr, flush=True)
+            steps = 2 if args.quick else k
+            op_rows.append(
+                ops.measure(
+                    workload(name),
+                    factor_steps=f,
+                    inv_steps=k,
+                    steps=steps,
+                    warmup=1 if args.quick else 3,
+                    reference=reference,
+                    variant=parse_variant(args.variants[0]),
+                    rules=args.op_rules,
+                )
+            )
+            print(ops.table(op_rows[-1]) + "\n", flush=True)
+        print(ops.LEGEND)
     meta = {"torch": torch.__version__, "threads": args.threads, "device": "cpu"}
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"meta": meta, "results": rows}, fh, indent=2)
+            json.dump({"meta": meta, "results": rows, "ops": op_rows}, fh, indent=2)
     return 0
 
 

@@ -11,9 +11,10 @@ torch versions), ``gpu_tests`` (``pytest -m gpu``), ``resnet50`` (ResNet-50 224Â
 channels_last: SGD vs SGD + K-FAC side by side at 10/100 and 50/500, TPDS Fig. 7's stages, the
 decomposition stage vs bare eigh, the conv-factor dispatch), ``memory`` (the engine's ``memory_usage()``
 against the CUDA allocator's deltas), ``bert_large`` (BERT-Large at seq 512, fp16 with GradScaler: the same
-measurement) and ``recipes`` (Mask R-CNN and BERT smoke recipes through the CLI on CUDA, one under
-``launcher=torchrun``, and an NCCL collectives probe at world 1). The measuring steps live in
-``measure.py``, the report's layout, targets and markdown in ``report.py``.
+measurement), ``ops`` (CIFAR ResNet-32, batch 128: compute ops, CUDA kernels and their device time per step,
+SGD vs K-FAC by stage, ``benchmarks/ops.py``) and ``recipes`` (Mask R-CNN and BERT smoke recipes through the
+CLI on CUDA, one under ``launcher=torchrun``, and an NCCL collectives probe at world 1). The measuring steps
+live in ``measure.py``, the report's layout, targets and markdown in ``report.py``.
 
 Every step runs in its own process group with its own time budget (a dry run has none unless
 ``--time-limit`` is given: CPU speed says nothing about a GPU's): a step that raises, crashes the CUDA
@@ -383,7 +384,8 @@ STEPS: dict[str, tuple[str, Callable[[StepContext], None], float, float]] = {
         100,
         30,
     ),
-    "recipes": ("smoke recipes through the CLI, torchrun + NCCL", recipes, 150, 30),
+    "ops": ("compute ops and CUDA kernel launches per step by stage", _measured("ops"), 30, 15),
+    "recipes": ("smoke recipes through the CLI, torchrun + NCCL", recipes, 120, 30),
 }
 
 

@@ -465,3 +465,19 @@ def memory(ctx: StepContext) -> None:
     w, setup, _size, meta = _resnet_case(ctx.dry)
     ctx.record("workload", meta)
     memory_figures(w, setup, 2, ctx.record)
+
+
+def ops(ctx: StepContext) -> None:
+    """CIFAR ResNet-32 (batch 128, fp32, factors every step, decompositions every 10): compute ops, CUDA
+    kernel launches and their device time per step, SGD vs K-FAC by stage (:mod:`benchmarks.ops`)."""
+    from benchmarks import ops as op_count
+    from kfac_bench.models.cifar_resnet import build_cifar_resnet
+
+    depth, batch, steps = (8, 4, 2) if ctx.dry else (32, 128, 10)
+    w = classification(f"resnet{depth}", lambda: build_cifar_resnet(depth), (batch, 3, 32, 32), 10)
+    setup = Setup("cpu" if ctx.dry else "cuda")
+    ctx.record("workload", {"label": f"CIFAR ResNet-{depth}, batch {batch}, fp32", "steps": steps})
+    r = op_count.measure(
+        w, factor_steps=1, inv_steps=10, steps=steps, warmup=1 if ctx.dry else 3, setup=setup
+    )
+    ctx.record("ops", {"table": op_count.table(r), **r})

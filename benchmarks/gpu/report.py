@@ -354,6 +354,15 @@ def _checks(s: dict) -> list[str]:
         ]
         head = "memory_usage() MiB|factors|decompositions|allocated delta MiB|peak delta MiB|ratio"
         lines += _table(head, [row])
+    if (o := get(s.get("ops", {}), "data", "ops")) and "table" in o:
+        lines += [
+            "## Compute ops and CUDA kernel launches per step (benchmarks/ops.py)",
+            "",
+            "```",
+            o["table"],
+            "```",
+            "",
+        ]
     runs = get(s["recipes"], "data", "runs") or {}
     rows = [
         [

@@ -3,7 +3,10 @@
 A forward hook computes the input factor's contribution of one call from the layer input and registers a
 hook on the autograd node that produced the layer output; when backward reaches that node, the hook computes
 the output-gradient factor's contribution of the same call. A call's two contributions are added to the
-layer's sums together, once its backward pass is known (see :func:`kfac_bench.kfac.factors.fold`).
+layer's sums together, once its backward pass is known (see :func:`kfac_bench.kfac.factors.fold`). For
+handlers with batched grams (Linear-type, Conv2d, Conv1d) both contributions are computed together with
+those of the same-shaped calls of other layers, once the last of them has its gradient
+(:mod:`.batching`); the sums are the same.
 
 Contract (what a training loop may do):
 
@@ -57,7 +60,9 @@ from typing import Any
 
 import torch
 
+from .batching import PendingGrams
 from .factors import fold
+from .layers import Gram
 from .layers.attention import install_attention_forward
 from .options import FactorScaling
 from .outside import OutsideGradients
@@ -128,12 +133,18 @@ class Capture:
         self._unrecorded: list[tuple[str, weakref.ref[Any], int]] = []
         #: The check for weights that also receive gradient outside their module's call (:mod:`.outside`).
         self.outside = OutsideGradients()
+        #: Calls whose grams are computed with their key's other calls (:mod:`.batching`), and how many
+        #: calls of each layer wait for their key's batch with their gradient arrived.
+        self.batch = PendingGrams(factor_dtype, self._deliver)
+        self._held_layers: dict[str, int] = {}
         for layer in layers.values():
             self.attach(layer)
 
     def start_step(self, collect: bool) -> None:
         """A new optimizer step begins; ``collect``: whether its factors are due. Calls whose output was
         never backpropagated are dropped."""
+        self.batch.clear()
+        self._held_layers.clear()
         for layer in self.layers.values():
             layer.calls.clear()
             self._close(layer)
@@ -191,26 +202,17 @@ class Capture:
                 rows = self.subset.rows(x, self.backwards, layer.handler.spatial)
                 x = x if rows is None else x.index_select(0, rows)
             pos = self._position_rows(layer, output)
-            with (
-                self.timer(Stage.FACTOR, sync=False),
-                _no_autocast(x.device.type),
-                _named(layer, "A"),
-            ):
-                if pos is None:
-                    a = layer.handler.a_gram(module, x, self.factor_dtype, layer.bias)
-                else:
-                    a = PositionSubset.a_gram(
-                        layer.handler,
-                        module,
-                        x,
-                        self.factor_dtype,
-                        layer.bias,
-                        pos,
-                        output.shape[-2],
-                    )
-            _check_shape(layer, "A", a.sum, layer.a_dim)
+            # Under saved-tensor hooks (activation checkpointing, offloading) autograd does not keep the
+            # input: holding it for a batch would undo the memory they save, so the call goes alone.
+            batched = rows is None and pos is None and not _saved_tensor_hooks()
+            key = self.batch.key(layer, x) if batched else None
+            if key is not None:  # computed with the key's other calls (:mod:`.batching`)
+                call = Call(None, key=key)
+                self.batch.record(key, layer, call, x)
+            else:
+                call = Call(self._a_gram(layer, module, x, pos, output), rows=rows, positions=pos)
             node, index, shape = _grad_node(output)
-            call = Call(a, rows=rows, positions=pos, node=node)
+            call.node = node
             call.row_count = self._row_count(layer, x, False)
             layer.calls.append(call)
             if task != -1:
@@ -230,6 +232,35 @@ class Capture:
             node.register_prehook(self._grad_hook(layer, weakref.ref(call), index, shape))
 
         return hook
+
+    def _a_gram(
+        self,
+        layer: LayerState,
+        module: torch.nn.Module,
+        x: torch.Tensor,
+        pos: torch.Tensor | None,
+        output: torch.Tensor,
+    ) -> Gram:
+        """The input-factor gram of one call, computed now (handlers without batched grams)."""
+        with (
+            self.timer(Stage.FACTOR, sync=False),
+            _no_autocast(x.device.type),
+            _named(layer, "A"),
+        ):
+            if pos is None:
+                a = layer.handler.a_gram(module, x, self.factor_dtype, layer.bias)
+            else:
+                a = PositionSubset.a_gram(
+                    layer.handler,
+                    module,
+                    x,
+                    self.factor_dtype,
+                    layer.bias,
+                    pos,
+                    output.shape[-2],
+                )
+        _check_shape(layer, "A", a.sum, layer.a_dim)
+        return a
 
     def _position_rows(self, layer: LayerState, output: torch.Tensor) -> torch.Tensor | None:
         """The output rows a conv call's factors use (``factor_position_fraction``); None: all."""
@@ -265,6 +296,15 @@ class Capture:
                     g = g.reshape(shape)
                 if layer.batch_dim:
                     g = g.movedim(layer.batch_dim, 0)
+            if call.key is not None:  # the grams wait for the key's other calls
+                if g is not None:
+                    self._held_layers[layer.name] = self._held_layers.get(layer.name, 0) + 1
+                with self.timer(Stage.FACTOR, sync=False), _no_autocast(layer.device.type):
+                    self.batch.arrive(call.key, call, g, self._loss_scale())
+                self._settle(layer)
+                return
+            if g is not None:
+                assert call.a is not None
                 weight = 1.0
                 if call.rows is not None and self.subset is not None and g.shape[0] > 1:
                     weight = self.subset.g_weight(g.shape[0], call.rows.numel())
@@ -280,22 +320,48 @@ class Capture:
                         gram = PositionSubset.g_gram(
                             layer.handler, layer.module, g, self.factor_dtype, call.positions
                         )
-                    scale = self._loss_scale()
-                    if scale is not None:
-                        gram = gram._replace(sum=gram.sum / scale**2)
                     if weight != 1.0:
                         gram = gram._replace(sum=gram.sum.mul_(weight))
-                _check_shape(layer, "G", gram.sum, layer.g_dim)
-                if not layer.group:
-                    self._touched.append(layer)
-                layer.group.append((call.a, gram))
-                layer.received = True
-            if layer.group and not any(c.task == self._task for c in layer.calls):
-                self._close(layer)
-                if self.backwards == self.accumulation_steps - 1:
-                    self.on_final(layer)
+                self._receive(layer, call.a, gram, self._loss_scale())
+            self._settle(layer)
 
         return hook
+
+    def _receive(self, layer: LayerState, a: Gram, g: Gram, scale: Any) -> None:
+        """A call's two grams: into the running backward pass's group of the layer."""
+        if scale is not None:
+            g = g._replace(sum=g.sum / scale**2)
+        _check_shape(layer, "A", a.sum, layer.a_dim)
+        _check_shape(layer, "G", g.sum, layer.g_dim)
+        if not layer.group:
+            self._touched.append(layer)
+        layer.group.append((a, g))
+        layer.received = True
+
+    def _settle(self, layer: LayerState) -> None:
+        """Once none of the layer's calls that this pass backpropagates waits for a gradient or a batch:
+        fold its group, and in the last backward pass of a step hand it over (the reduction overlaps the
+        rest of the pass)."""
+        if (
+            layer.group
+            and not any(c.task == self._task for c in layer.calls)
+            and not self._waiting(layer)
+        ):
+            self._close(layer)
+            if self.backwards == self.accumulation_steps - 1:
+                self.on_final(layer)
+
+    def _waiting(self, layer: LayerState) -> bool:
+        """Whether a call of ``layer`` whose gradient arrived still waits for its key's batch."""
+        return layer.name in self._held_layers
+
+    def _deliver(self, layer: LayerState, a: Gram, g: Gram, scale: Any) -> None:
+        """A batched call's grams (:mod:`.batching`)."""
+        self._held_layers[layer.name] -= 1
+        if not self._held_layers[layer.name]:
+            del self._held_layers[layer.name]
+        self._receive(layer, a, g, scale)
+        self._settle(layer)
 
     def _row_count(self, layer: LayerState, x: torch.Tensor, unrecorded: bool) -> int:
         """Rows of a Linear-type call for ``L`` (``'expand'``, see :mod:`.factors`); 0 for convolutions.
@@ -347,6 +413,8 @@ class Capture:
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _backward_done(self) -> None:
+        with self.timer(Stage.FACTOR, sync=False):
+            self.batch.flush()
         for layer in self._touched:
             self._close(layer)
         self._touched.clear()
@@ -360,11 +428,9 @@ class Capture:
         if not layer.group:
             return
         with self.timer(Stage.FACTOR, sync=False):
-            (a_sum, a_n), (g_sum, g_n) = fold(
-                self.scaling, layer.handler.spatial, layer.group, self.terms()
-            )
-            layer.a_batch.add(a_sum, a_n)
-            layer.g_batch.add(g_sum, g_n)
+            a, g = fold(self.scaling, layer.handler.spatial, layer.group, self.terms())
+            layer.a_batch.add(*a)
+            layer.g_batch.add(*g)
         layer.group.clear()
 
     def _loss_scale(self) -> torch.Tensor | float | None:
@@ -450,6 +516,14 @@ def _recomputing_nonreentrant() -> bool:
     return bool(getattr(pack, "_checkpoint_internal", False)) or "_recomputation_hook" in getattr(
         pack, "__qualname__", ""
     )
+
+
+def _saved_tensor_hooks() -> bool:
+    """Whether saved-tensor hooks are active (``torch.utils.checkpoint`` without reentrancy, offloading)."""
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    except (AttributeError, TypeError, RuntimeError):  # pragma: no cover - other torch versions
+        return False
 
 
 def _layer_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:

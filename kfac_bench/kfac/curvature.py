@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from .comm import Communicator, StepReduction
-from .factors import running_average
+from .groups import fold_running, stack
 from .log import WarnOnce, logger
 from .options import Factor, FactorScaling
 from .second_order import Result, SecondOrderMethod, expected_seconds
@@ -53,6 +53,8 @@ class Curvature:
         self.warn = warn
         self._step_reduction: StepReduction | None = None
         self._announced = False
+        #: Non-finite batch factors skipped since the last check, per group of layers (:mod:`.groups`).
+        self._flags: dict[tuple[str, ...], torch.Tensor] = {}
         #: ``'expand'``'s loss terms of the running step on this rank (set by the preconditioner to
         #: :attr:`.capture.Capture.step_terms`).
         self.step_terms: Callable[[], int] = lambda: 0
@@ -97,33 +99,50 @@ class Curvature:
         reduction, self._step_reduction = self._step_reduction, None
         reduction = reduction or self._start_reduction()
         with self.timer(Stage.FACTOR):
-            self._hand_over(reduction)
+            scales = self._hand_over(reduction)
         with self.timer(Stage.FACTOR_COMM):
             reduced = reduction.finish()
         with self.timer(Stage.FACTOR):
-            self._update_running_factors(reduced, decay)
+            self._update_running_factors(reduced, decay, scales)
 
-    def _hand_over(self, reduction: StepReduction) -> None:
-        """Give ``reduction`` the normalised batch factors the hooks did not hand over (keyed
-        ``"<layer>/a"``); only the reduction keeps them, so packing a bucket frees its factors."""
+    def _hand_over(self, reduction: StepReduction) -> dict[str, float]:
+        """Give ``reduction`` the batch factors the hooks did not hand over (keyed ``"<layer>/a"``); only
+        the reduction keeps them, so packing a bucket frees its factors. Distributed, they are normalised
+        first; in one process they stay sums and the returned scales normalise them, many in one op."""
+        scales: dict[str, float] = {}
         for name, layer in self.layers.items():
             for kind, acc in ((Factor.A, layer.a_batch), (Factor.G, layer.g_batch)):
-                count = acc.count
-                f = acc.pop(self.scaling, kind is Factor.G, self._count(layer, kind))
+                count, n = acc.count, self._count(layer, kind)
+                if self.comm.distributed:
+                    f = acc.pop(self.scaling, kind is Factor.G, n)
+                else:
+                    popped = acc.pop_unscaled(self.scaling, kind is Factor.G, n)
+                    f = None if popped is None else popped[0]
+                    if popped is not None:
+                        scales[f"{name}/{kind}"] = popped[1]
                 if f is not None:
                     reduction.hold(f"{name}/{kind}", f, count)
+        return scales
 
-    def _update_running_factors(self, batch: dict[str, torch.Tensor], decay: float) -> None:
-        """Fold ``batch`` (consumed: a bucket's buffer is freed once its last factor is folded in)."""
+    def _update_running_factors(
+        self, batch: dict[str, torch.Tensor], decay: float, scales: dict[str, float]
+    ) -> None:
+        """Fold ``batch`` (consumed: a bucket's buffer is freed once its last factor is folded in), times
+        ``scales`` where given, into the running factors: same-shaped factors together
+        (:func:`~.groups.fold_running`)."""
+        groups: dict[tuple[object, ...], list[tuple[LayerState, str, torch.Tensor, float]]] = {}
         for name, layer in self.layers.items():
             for kind in Factor:
-                f = batch.pop(f"{name}/{kind}", None)
+                key = f"{name}/{kind}"
+                f = batch.pop(key, None)
                 if f is None:
                     continue
-                attr = f"{kind}_factor"
-                running, bad = running_average(getattr(layer, attr), f, decay)
-                setattr(layer, attr, running)
-                layer.nonfinite = bad if layer.nonfinite is None else layer.nonfinite | bad
+                shape = (kind, tuple(f.shape), f.dtype, f.device)
+                groups.setdefault(shape, []).append(
+                    (layer, f"{kind}_factor", f, scales.get(key, 1.0))
+                )
+        for members in groups.values():
+            fold_running(members, decay, self._flags)
 
     # ------------------------------------------------------------------ stage 2: second order
     def update_second_order(self, damping: float) -> None:
@@ -133,18 +152,51 @@ class Curvature:
             self._warn_nonfinite_factors()
             jobs, missing = self._owned_factors()
             self._announce(jobs)
-            results = self.method.decompose(
-                [f for _, _, f in jobs],
+            results, alone = self._decompose_stacked(jobs)
+            single = self.method.decompose(
+                [jobs[i][2] for i in alone],
                 damping,
-                self.comm.world_size == 1 and any(f.is_cuda for _, _, f in jobs),
-                previous=[layer.parts.get(kind) for layer, kind, _ in jobs],
-                spatial=[layer.spatial for layer, _, _ in jobs],
+                False,
+                previous=[jobs[i][0].parts.get(jobs[i][1]) for i in alone],
+                spatial=[jobs[i][0].spatial for i in alone],
             )
+            for i, res in zip(alone, single):
+                results[i] = res
             self._keep(jobs, results, missing)
             self._derive(damping)
         with self.timer(Stage.DECOMPOSITION_COMM):
             self._agree_ready(missing)
             self.broadcast()
+
+    def _decompose_stacked(self, jobs: list[_Job]) -> tuple[list[Result | None], list[int]]:
+        """Each job's part where same-shaped factors are decomposed as one batched call (the method's
+        ``decompose_stacked``, on a stack of the running factors themselves, :mod:`.groups`), checked for
+        finiteness with one host synchronisation; and the jobs left to the method's one-by-one path
+        (float64 retries included): the rest, and what failed."""
+        stacked = getattr(self.method, "decompose_stacked", None)
+        results: list[Result | None] = [None] * len(jobs)
+        alone: list[int] = list(range(len(jobs)))
+        if stacked is not None:
+            groups: dict[tuple[object, ...], list[int]] = {}
+            for i, (_, kind, f) in enumerate(jobs):
+                groups.setdefault((kind, tuple(f.shape), f.dtype, f.device), []).append(i)
+            alone, done = [], []
+            for idx in groups.values():
+                res = stacked(stack([jobs[i][2] for i in idx])) if len(idx) > 1 else None
+                if res is None:
+                    alone += idx
+                    continue
+                total = sum(v.sum(dim=tuple(range(1, v.dim()))) for v in res.values())
+                done.append((idx, res, (total - total).eq(0)))
+            finite = torch.cat([ok for *_, ok in done]).tolist() if done else []
+            flags = iter(finite)  # the one host synchronisation
+            for idx, res, _ in done:
+                for j, i in enumerate(idx):
+                    if next(flags):
+                        results[i] = {k: v[j] for k, v in res.items()}
+                    else:
+                        alone.append(i)
+        return results, alone
 
     def _announce(self, jobs: list[_Job]) -> None:
         """Before a decomposition step expected to take over ``LONG_DECOMPOSITION_S`` (the method's cost
@@ -212,13 +264,31 @@ class Curvature:
             )
 
     def _derive(self, damping: float) -> None:
-        """The method's derived parts of each layer whose G this rank owns."""
+        """The method's derived parts of each layer whose G this rank owns (same-shaped layers together
+        where the method has a stacked form)."""
         if not self.method.derived:
             return
+        stacked = getattr(self.method, "derive_stacked", None)
+        groups: dict[tuple[object, ...], list[LayerState]] = {}
         for layer in self.layers.values():
             a, g = layer.parts.get(Factor.A), layer.parts.get(Factor.G)
             if a is not None and g is not None and self.owns(layer, Factor.G):
-                layer.parts.update(self.method.derive(a, g, damping))
+                if stacked is None:
+                    layer.parts.update(self.method.derive(a, g, damping))
+                    continue
+                key = tuple(
+                    (k, tuple(v.shape), v.dtype, v.device) for r in (a, g) for k, v in r.items()
+                )
+                groups.setdefault(key, []).append(layer)
+        assert stacked is not None or not groups
+        for members in groups.values():
+            parts = [
+                {k: stack([m.parts[kind][k] for m in members]) for k in members[0].parts[kind]}
+                for kind in (Factor.A, Factor.G)
+            ]
+            derived = stacked(parts[0], parts[1], damping)  # type: ignore[misc]
+            for i, m in enumerate(members):
+                m.parts.update({p: {k: v[i] for k, v in r.items()} for p, r in derived.items()})
 
     def _agree_ready(self, missing: dict[str, int]) -> None:
         """Every rank learns which layers have all their parts: one small all-reduce, and only while some
@@ -291,12 +361,12 @@ class Curvature:
 
     def _warn_nonfinite_factors(self) -> None:
         """One host sync for all layers: name the ones that had a non-finite batch factor skipped."""
-        flagged = [(n, s) for n, s in self.layers.items() if s.nonfinite is not None]
-        if not flagged:
+        flags, self._flags = self._flags, {}
+        if not flags:
             return
-        values = torch.stack([s.nonfinite for _, s in flagged]).tolist()  # type: ignore[misc]
-        for (name, layer), bad in zip(flagged, values):
-            layer.nonfinite = None
+        names = [n.rsplit("/", 1)[0] for group in flags for n in group]
+        values = torch.cat([f.reshape(-1) for f in flags.values()]).tolist()
+        for name, bad in zip(names, values):
             if bad:
                 self.warn(
                     f"nonfinite:{name}",

@@ -61,34 +61,40 @@ from .options import FactorScaling
 
 def fold(
     scaling: FactorScaling, spatial: bool, calls: Sequence[tuple[Gram, Gram]], terms: int = 0
-) -> tuple[tuple[torch.Tensor, int], tuple[torch.Tensor, int]]:
-    """One backward pass's ``(A sum, count), (G sum, count)`` of a layer from its calls' ``(A, G)`` grams.
+) -> tuple[tuple[torch.Tensor, int, float], tuple[torch.Tensor, int, float]]:
+    """One backward pass's ``(A sum, count, weight), (G sum, count, weight)`` of a layer from its calls'
+    ``(A, G)`` grams: the weighted sum is ``weight · sum``.
 
     The sums are weighted so that :func:`normalise` of the accumulated sums and counts gives the factors of
-    the module docstring; for one call this is :func:`contribution_weight` and :func:`contribution_count`.
-    ``terms``: ``L`` of the backward pass under ``'expand'`` (0: the layer's own rows).
+    the module docstring; for one call this is :func:`contribution_weight` and :func:`contribution_count`,
+    returned as the weight rather than applied (the accumulator applies it with its normalisation, in
+    the same op). ``terms``: ``L`` of the backward pass under ``'expand'`` (0: the layer's own rows).
     """
     scaling = effective(scaling, spatial)
     if scaling is FactorScaling.PER_EXAMPLE and len(calls) > 1:
         positions = sum(g.positions for _, g in calls)
         examples = max(a.examples for a, _ in calls)
         a_sum = torch.stack([a.sum for a, _ in calls]).sum(0)
-        g_sum = torch.stack([g.sum for _, g in calls]).sum(0) / positions
-        return (a_sum, examples), (g_sum, examples)
-    sums: list[tuple[torch.Tensor, int]] = []
+        g_sum = torch.stack([g.sum for _, g in calls]).sum(0)
+        return (a_sum, examples, 1.0), (g_sum, examples, 1.0 / positions)
+    sums: list[tuple[torch.Tensor, int, float]] = []
     for i, is_g in ((0, False), (1, True)):
         total: torch.Tensor | None = None
+        weight = 1.0
         count = 0
         for pair in calls:
             gram = pair[i]
             w = contribution_weight(scaling, is_g, spatial, gram.positions)
-            contrib = gram.sum if w == 1.0 else gram.sum * w
-            total = contrib if total is None else total + contrib
+            if total is None:
+                total, weight = gram.sum, w
+            else:
+                total = total * weight + gram.sum * w if weight != 1.0 else total + gram.sum * w
+                weight = 1.0
             count += contribution_count(scaling, gram.examples, gram.positions, spatial)
         assert total is not None
         if is_g and scaling is FactorScaling.EXPAND and terms > 0:
             count = terms
-        sums.append((total, count))
+        sums.append((total, count, weight))
     return sums[0], sums[1]
 
 
@@ -118,13 +124,20 @@ def contribution_count(
     return examples * positions
 
 
-def normalise(total: torch.Tensor, count: int, scaling: FactorScaling, is_g: bool) -> torch.Tensor:
-    """The batch factor from its accumulated weighted sum and count (see the module docstring), computed in
-    place in ``total`` (consumed; the same values as out of place): a new factor-sized tensor every factor
-    step would cost more than the whole fold-in (fresh pages)."""
+def normaliser(count: int, scaling: FactorScaling, is_g: bool) -> float:
+    """The factor's accumulated weighted sum times this is the batch factor (module docstring)."""
     if scaling is not FactorScaling.KAISA and is_g:  # 'per_example', 'expand': G = count · Σ g gᵀ
-        return total.mul_(count)
-    return total.div_(count)
+        return float(count)
+    return 1.0 / count
+
+
+def normalise(
+    total: torch.Tensor, count: int, scaling: FactorScaling, is_g: bool, weight: float = 1.0
+) -> torch.Tensor:
+    """The batch factor from its accumulated sum (times ``weight``) and count (see the module docstring),
+    computed in place in ``total`` (consumed): a new factor-sized tensor every factor step would cost more
+    than the whole fold-in (fresh pages)."""
+    return total.mul_(weight * normaliser(count, scaling, is_g))
 
 
 def running_average(

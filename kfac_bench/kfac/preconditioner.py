@@ -403,13 +403,20 @@ class KFACPreconditioner:
           handed to the reduction whose bucket is incomplete (``d²`` each). Peak: ``2·a_dim² + g_dim²`` per
           layer after the last forward while micro-batches accumulate; else ``a_dim² + g_dim²`` per layer from
           the backward pass to ``step()`` in one process; distributed, during the backward pass, 0 at its end.
+          Layers whose handler computes grams in batches (Linear-type, Conv2d, Conv1d) hold no gram per
+          waiting call (the input held is the one autograd holds anyway) but, from a call's gradient to
+          the moment its key's last call has one (:mod:`~kfac_bench.kfac.batching`), its input and output
+          gradient.
         * ``comm_buffers``: flat buffers of the launched factor buckets, ``d²`` (``d(d+1)/2`` with
           ``symmetry_aware``) per factor in ``comm_dtype``, from a bucket's launch in a factor step's last
           backward pass to ``step()`` (all of them at the end of that pass; 0 otherwise and in one process).
           Packing frees a bucket's factors and ``step()`` averages in place, so at the end of the pass
           ``buffers`` is the buckets alone. Broadcasts receive into the decompositions and gradients.
         """
-        return memory_by_category(self.layers.values(), *self.curvature.reduction_bytes())
+        handed, comm = self.curvature.reduction_bytes()
+        return memory_by_category(
+            self.layers.values(), handed + self.capture.batch.held_bytes(), comm
+        )
 
     def coverage(self) -> Coverage:
         """Which share of the model K-FAC preconditions and what it left out, by reason

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .assignment import LayerWork
-from .factors import normalise
+from .factors import normalise, normaliser
 from .layers import Gram, LayerHandler
 from .options import Factor, FactorScaling
 from .second_order import Parts, Result
@@ -25,13 +25,21 @@ class Removable(Protocol):
 
 @dataclass
 class Accumulator:
-    """The weighted sum of a factor's contributions since the last factor update, and its count."""
+    """The weighted sum of a factor's contributions since the last factor update (``weight · total``: a
+    lone contribution's weight is applied with the normalisation, not in an op of its own), and its count."""
 
     total: torch.Tensor | None = None
     count: int = 0
+    weight: float = 1.0
 
-    def add(self, weighted_sum: torch.Tensor, count: int) -> None:
-        self.total = weighted_sum if self.total is None else self.total.add_(weighted_sum)
+    def add(self, weighted_sum: torch.Tensor, count: int, weight: float = 1.0) -> None:
+        if self.total is None:
+            self.total, self.weight = weighted_sum, weight
+        else:
+            if self.weight != 1.0:
+                self.total.mul_(self.weight)
+                self.weight = 1.0
+            self.total.add_(weighted_sum, alpha=weight)
         self.count += count
 
     def pop(
@@ -42,16 +50,31 @@ class Accumulator:
         accumulator."""
         if self.total is None:
             return None
-        out = normalise(self.total, self.count if count is None else count, scaling, is_g)
-        self.total, self.count = None, 0
+        out = normalise(
+            self.total, self.count if count is None else count, scaling, is_g, self.weight
+        )
+        self.total, self.count, self.weight = None, 0, 1.0
+        return out
+
+    def pop_unscaled(
+        self, scaling: FactorScaling, is_g: bool, count: int | None = None
+    ) -> tuple[torch.Tensor, float] | None:
+        """``(sum, scale)`` whose product is :meth:`pop`'s batch factor (``count`` as there), left for the
+        caller to apply (to many factors in one op); resets the accumulator."""
+        if self.total is None:
+            return None
+        n = self.count if count is None else count
+        out = (self.total, self.weight * normaliser(n, scaling, is_g))
+        self.total, self.count, self.weight = None, 0, 1.0
         return out
 
 
 @dataclass(eq=False)
 class Call:
-    """One forward call of a layer whose output gradient has not arrived yet: its input-factor gram."""
+    """One forward call of a layer whose output gradient has not arrived yet: its input-factor gram, or
+    (batched, :mod:`.batching`) its key, the gram computed with its key's other calls."""
 
-    a: Gram
+    a: Gram | None
     done: bool = False
     # The examples its factors use (``factor_batch_fraction`` < 1, see :mod:`.subsample`); None: all.
     rows: torch.Tensor | None = None
@@ -59,6 +82,9 @@ class Call:
     nested: bool = False
     # The rows of output positions its factors use (``factor_position_fraction`` < 1); None: all.
     positions: torch.Tensor | None = None
+    # Batched calls: the batch key and what the batch holds for the call until its key is computed.
+    key: Any = None
+    held: Any = None
     # The autograd node whose gradient is the call's output gradient: a backward pass counts the call
     # (rows in L, its G) only if it executes this node. Dropped once the gradient arrived.
     node: Any = None
@@ -95,8 +121,6 @@ class LayerState:
     ready: bool = False
     # Why the layer is not ready after a decomposition step: "did_not_run" or "decomposition_failed".
     not_ready_reason: str | None = None
-    # Device-side flag: a non-finite batch factor was skipped since the last check (no host sync to set).
-    nonfinite: torch.Tensor | None = None
     handles: list[RemovableHandle | Removable] = field(default_factory=list)
     # Whether an output gradient ever reached the layer's hooks (run-time coverage).
     received: bool = False
@@ -147,7 +171,7 @@ def memory_by_category(
             result_bytes(r) for k, r in s.parts.items() if k not in tuple(Factor)
         )
         out["batch_buffers"] += tensor_bytes(
-            s.a_batch.total, s.g_batch.total, *(c.a.sum for c in s.calls)
+            s.a_batch.total, s.g_batch.total, *(c.a.sum for c in s.calls if c.a is not None)
         )
         out["batch_buffers"] += sum(tensor_bytes(a.sum, g.sum) for a, g in s.group)
     out["batch_buffers"] += handed_bytes

@@ -28,7 +28,9 @@ STAGES = tuple(s.value for s in Stage)
 
 
 class StageTimer:
-    """Cumulative seconds per stage; a no-op unless ``enabled``.
+    """Cumulative seconds per stage; a no-op unless ``enabled``. While ``torch.profiler`` records, each
+    stage is also a ``kfac::<stage>`` range of the trace, so a profile attributes ops to stages
+    (``benchmarks/ops.py``).
 
     Timing costs the device no synchronisation: on CUDA a stage is bracketed by two CUDA events recorded on
     the current stream, and their elapsed time is read later: events that completed are collected when
@@ -53,20 +55,27 @@ class StageTimer:
         """Add the block's time to stage ``name``: device time between two CUDA events where CUDA is in
         use, else host time. ``sync=False`` (inside hooks, per layer) measures host time only, exact on
         CPU."""
-        if not self.enabled:
+        label = (
+            torch.profiler.record_function(f"kfac::{name.value}")
+            if torch.autograd.profiler._is_profiler_enabled
+            else contextlib.nullcontext()
+        )
+        with label:
+            if not self.enabled:
+                yield
+                return
+            if sync and torch.cuda.is_available() and torch.cuda.is_initialized():
+                self._collect(wait=False)
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                yield
+                end.record()
+                self._pending.append((name.value, start, end))
+                return
+            t0 = time.perf_counter()
             yield
-            return
-        if sync and torch.cuda.is_available() and torch.cuda.is_initialized():
-            self._collect(wait=False)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self._pending.append((name.value, start, end))
-            return
-        t0 = time.perf_counter()
-        yield
-        self._seconds[name.value] += time.perf_counter() - t0
+            self._seconds[name.value] += time.perf_counter() - t0
 
     def _collect(self, wait: bool) -> None:
         """Add the elapsed time of the event pairs that completed (``wait``: of all, waiting for them)."""

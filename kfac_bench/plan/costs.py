@@ -13,7 +13,7 @@ gradients broadcast in receiver groups of world/m every step when m < world.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch
 
 from kfac_bench.kfac import FactorReduction, LayerSpec, Placement
 from kfac_bench.kfac.assignment import LayerWork, assign
+from kfac_bench.kfac.batching import batches
 from kfac_bench.kfac.comm import Bucket, factor_entries, make_buckets
 from kfac_bench.kfac.options import ComputeMethod
 
@@ -178,7 +179,9 @@ def rank_loads(
     everywhere = dict(
         zip(
             ("batch_buffers", "comm_buffers", "buffers"),
-            buffer_peaks(work, buckets, f_size, c_size, accumulation_steps),
+            buffer_peaks(
+                work, buckets, f_size, c_size, accumulation_steps, _per_call(layers, settings)
+            ),
         )
     )
     everywhere["factors"] = (
@@ -212,6 +215,7 @@ def buffer_peaks(
     f_size: int,
     c_size: int,
     accumulation_steps: int,
+    per_call: Collection[str] | None = None,
 ) -> tuple[int, int, int]:
     """Peaks of ``batch_buffers``, ``comm_buffers`` and their sum over a factor step, at the moments
     ``memory_usage()`` can be read: after the last forward pass and after each layer's gradient hook in
@@ -219,21 +223,29 @@ def buffer_peaks(
 
     The backward pass is taken to reach the layers in the reverse of their registration order, the order
     of the factor buckets (``buckets``: :func:`~kfac_bench.kfac.comm.make_buckets`, empty for one process);
-    ``f_size``, ``c_size``: bytes per element of the factor and the communication dtype.
+    ``f_size``, ``c_size``: bytes per element of the factor and the communication dtype. ``per_call``:
+    the layers whose forward call holds its input factor until its gradient (None: all); the others'
+    grams are computed in batches on the gradient's arrival (:mod:`kfac_bench.kfac.batching`), taken
+    here as arriving one call per key (a key whose calls wait for each other also holds their inputs and
+    output gradients, activation-sized: not modelled).
     """
-    # Accumulating: the earlier micro-batches' sums, beside the last one's pending input factor.
+    # Accumulating: the earlier micro-batches' sums, beside the last one's pending input factors.
     extra = accumulation_steps > 1
+    pending = {n: per_call is None or n in per_call for n in work}
     dims = {f"{n}/{k}": d for n, w in work.items() for k, d in (("a", w.a_dim), ("g", w.g_dim))}
-    batch = f_size * sum(w.a_dim**2 + extra * (w.a_dim**2 + w.g_dim**2) for w in work.values())
+    batch = f_size * sum(
+        pending[n] * w.a_dim**2 + extra * (w.a_dim**2 + w.g_dim**2) for n, w in work.items()
+    )
     comm, launched = 0, 0
     handed: set[str] = set()
     peaks = [batch, comm, batch + comm]
     for name, w in reversed(list(work.items())):
         a2, g2 = w.a_dim**2, w.g_dim**2
-        if not buckets:  # one process: the call is folded into the sums, kept until step()
-            batch += f_size * (g2 - extra * a2)
-        else:  # the sums and the pending call become the normalised factors, handed to the reduction
-            batch += f_size * (g2 - extra * (a2 + g2))
+        # The call's grams join the sums (one process: kept until step()) or, distributed, the sums
+        # become the normalised factors handed to the reduction: a2 + g2 held after, the pending
+        # input factor and (accumulating) the sums before.
+        batch += f_size * ((not extra) * (a2 + g2) - pending[name] * a2)
+        if buckets:
             handed |= {f"{name}/g", f"{name}/a"}
             while launched < len(buckets) and handed.issuperset(buckets[launched].keys):
                 batch -= f_size * sum(dims[k] ** 2 for k in buckets[launched].keys)
@@ -241,6 +253,20 @@ def buffer_peaks(
                 launched += 1
         peaks = [max(peaks[0], batch), max(peaks[1], comm), max(peaks[2], batch + comm)]
     return peaks[0], peaks[1], peaks[2]
+
+
+def _per_call(layers: Sequence[LayerSpec], settings: EngineSettings) -> set[str]:
+    """The layers whose factor grams the engine computes call by call: handlers without batched grams,
+    and every layer while ``factor_batch_fraction`` (or, for the layers it applies to,
+    ``factor_position_fraction``) thins out the rows."""
+    thinned = settings.factor_batch_fraction < 1.0
+    return {
+        s.name
+        for s in layers
+        if thinned
+        or not batches(s.handler)
+        or (settings.factor_position_fraction < 1.0 and hasattr(s.handler, "a_gram_rows"))
+    }
 
 
 def _span(values: Sequence[float]) -> dict[str, Any]:

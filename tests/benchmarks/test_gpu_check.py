@@ -32,7 +32,7 @@ from kfac_bench.kfac.layers.conv_unfold import fast_method
 from kfac_bench.plan.stage_profile import load_profile
 from tests.limits import hang_limit
 
-SECTIONS = ("environment", "gpu_tests", "resnet50", "memory", "bert_large", "recipes")
+SECTIONS = ("environment", "gpu_tests", "resnet50", "memory", "bert_large", "ops", "recipes")
 
 
 def _tiny_cnn() -> nn.Module:
@@ -312,6 +312,13 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
         # The engine computes factors outside autocast (bf16 ResNet-50, fp16 BERT): every step measures.
         assert s[name]["status"] == "ok", (name, s[name]["status"], s[name]["error"])
         _check_measured(name, s[name]["data"])
+    # Compute ops per step by stage, SGD and K-FAC side by side.
+    ops = s["ops"]
+    assert ops["status"] == "ok", ops["error"]
+    arms = ops["data"]["ops"]["arms"]
+    assert set(arms) == {"sgd", "ours"} and arms["ours"]["extra"] > 0
+    assert "cuda_kernels" not in arms["ours"]  # a dry run measures on the CPU
+    assert "## Compute ops and CUDA kernel launches" in md
     # The ResNet-50 stages as a plan profile, readable by kfac-bench plan (a CIFAR ResNet-8 in a dry run).
     profile = load_profile(tmp_path / gpu_profile.NAME)
     kinds = s["resnet50"]["data"]["per_kind"]

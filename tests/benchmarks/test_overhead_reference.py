@@ -200,12 +200,17 @@ def test_cli_reports_the_reference_row(
     out = tmp_path / "bench.json"
     args = ["--quick", "--rounds", "1", "--variants", "exact", "--reference", str(stand_in)]
     assert main([*args, "--json", str(out)]) == 0
-    (row,) = json.loads(out.read_text())["results"]
+    data = json.loads(out.read_text())
+    (row,) = data["results"]
     ref = row["reference"]
     assert ref["step_s"] > 0 and ref["layers"] == row["layers"]
     assert ref["in_place_off"] == 3  # the digits CNN's three ReLU(inplace=True), off in every arm
-    (built,) = _built()
-    assert built.given["inv_update_steps"] == 2  # --quick's cadence 1/2
+    # Built once for the timed arms and once for the op count, alike.
+    (ops_row,) = data["ops"]
+    assert set(ops_row["arms"]) == {"sgd", "ours", "reference"}
+    built = _built()
+    assert len(built) == 2
+    assert all(b.given["inv_update_steps"] == 2 for b in built)  # --quick's cadence 1/2
     printed = capsys.readouterr().out
     assert "reference (kfac-pytorch)" in printed
     assert "not matched in the reference arm: factor_scaling" in printed

@@ -243,3 +243,38 @@ def test_input_that_requires_grad_is_read_detached():
         torch.testing.assert_close(
             s, conv2d_a_factor_unfold(x.detach(), kernel, (1, 1), padding, (1, 1), False)
         )
+
+
+_BATCHED_CASES = [
+    # kernel, stride, padding (top, bottom, left, right), dilation, bias
+    ((3, 3), (1, 1), (1, 1, 1, 1), (1, 1), False),
+    ((3, 3), (1, 1), (0, 0, 0, 0), (1, 1), True),
+    ((2, 3), (1, 1), (0, 1, 1, 1), (1, 1), True),  # 'same' with an even kernel: asymmetric
+    ((1, 1), (1, 1), (0, 0, 0, 0), (1, 1), True),
+    ((3, 3), (2, 2), (1, 1, 1, 1), (1, 1), True),
+    ((3, 2), (2, 1), (1, 0, 0, 2), (1, 1), False),
+    ((3, 3), (1, 1), (2, 2, 2, 2), (2, 2), True),
+]
+
+
+@pytest.mark.parametrize("case", _BATCHED_CASES)
+@pytest.mark.parametrize("kernel", ["pixel", "unfold", "per_call"])
+def test_batched_factors_equal_each_calls_factor(case, kernel, monkeypatch):
+    """The grams of several same-shaped calls computed together (pixel kernel, batched unfold, and the
+    per-call fallback when one call's transient tensors would be too large) equal each call's own."""
+    from kfac_bench.kfac.layers import conv_batched
+
+    kernel_size, stride, padding, dilation, bias = case
+    if kernel == "pixel" and dilation != (1, 1):
+        pytest.skip("the pixel kernel needs dilation 1")
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(2, 3, 7, 6, dtype=DT, generator=gen) for _ in range(3)]
+    want = torch.stack([_loop_factor(x, kernel_size, stride, padding, dilation, bias) for x in xs])
+    if kernel == "pixel":
+        got = conv_batched._pixel(xs, kernel_size, stride, padding, bias, DT)
+    elif kernel == "unfold":
+        got = conv_batched._unfold(xs, kernel_size, stride, padding, dilation, bias, DT)
+    else:
+        monkeypatch.setattr(conv_batched, "MAX_TRANSIENT_BYTES", 1)
+        got = conv_batched.conv2d_a_factors(xs, kernel_size, stride, padding, dilation, bias, DT)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -196,7 +196,12 @@ def release_worker(rank: int, world: int) -> list[dict[str, Any]]:
     y = torch.randint(0, 5, (LOCAL,))
     with mock.patch.object(StepReduction, "add", add):
         loss = F.cross_entropy(model(x), y)
-        grams += [weakref.ref(c.a.sum) for s in p.layers.values() for c in s.calls]
+        # A call holds its input gram, or (batched with same-shaped calls) the input held for its batch.
+        grams += [
+            weakref.ref(c.a.sum if c.a is not None else c.held.x)
+            for s in p.layers.values()
+            for c in s.calls
+        ]
         loss.backward()
     end = {
         "handed_alive": sorted(k for k, ref in handed.items() if ref() is not None),

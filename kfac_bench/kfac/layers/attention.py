@@ -90,6 +90,26 @@ class AttentionProjectionHandler(LinearHandler):
         w = module.weight_of(module.parameter())
         return w.shape[1] + int(bias), w.shape[0]
 
+    def grad_blocks(
+        self, module: nn.Module, bias: bool, create: bool = False
+    ) -> list[tuple[torch.Tensor | None, int, int]] | None:
+        """:meth:`WeightBiasHandler.grad_blocks` of the projection's rows of the (packed) weight and bias
+        gradients (row slices: views, no copy)."""
+        assert isinstance(module, AttentionProjection)
+        w, b = self.parameters(module)
+        if w.grad is None:
+            return None
+        m = module.weight_of(w.grad)
+        n_w = m.shape[1]
+        blocks: list[tuple[torch.Tensor | None, int, int]] = [(m, 0, n_w)]
+        if bias:
+            assert b is not None
+            if b.grad is None and create:
+                b.grad = torch.zeros_like(b)
+            bg = None if b.grad is None else b.grad[module.rows()].view(-1, 1)
+            blocks.append((bg, n_w, n_w + 1))
+        return blocks
+
     def grad(self, module: nn.Module, bias: bool) -> torch.Tensor | None:
         assert isinstance(module, AttentionProjection)
         w, b = self.parameters(module)

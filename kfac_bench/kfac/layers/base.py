@@ -20,7 +20,8 @@ Conventions shared by every handler:
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Protocol
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -73,6 +74,63 @@ class LayerHandler(Protocol):
         ...
 
 
+@runtime_checkable
+class BatchedGrams(Protocol):
+    """Optional part of a handler: the grams of several calls of its layers computed together.
+
+    Calls (of any layers of the handler's type) whose :meth:`batch_key` is equal and not None have inputs
+    (and output gradients) of one shape and one geometry; the capture keeps them until every call of the
+    key in the running backward pass has its gradient, then computes all their grams in a few batched ops
+    (:mod:`kfac_bench.kfac.batching`) instead of a few ops per call. Handlers without these methods are
+    computed call by call, as they arrive.
+    """
+
+    def batch_key(self, module: nn.Module, x: torch.Tensor, bias: bool) -> Hashable | None:
+        """Which calls' grams can be computed together with this one's (None: not batched)."""
+        ...
+
+    def a_grams(
+        self,
+        modules: Sequence[nn.Module],
+        xs: Sequence[torch.Tensor],
+        dtype: torch.dtype,
+        bias: bool,
+    ) -> list[Gram]:
+        """:meth:`LayerHandler.a_gram` of each call, computed together (views of one stacked tensor)."""
+        ...
+
+    def g_grams(
+        self, modules: Sequence[nn.Module], gs: Sequence[torch.Tensor], dtype: torch.dtype
+    ) -> list[Gram]:
+        """:meth:`LayerHandler.g_gram` of each call, computed together (views of one stacked tensor)."""
+        ...
+
+
+def stacked(rows: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.stack(rows)`` in ``dtype`` in one multi-tensor copy (the cast included)."""
+    out = torch.empty((len(rows), *rows[0].shape), dtype=dtype, device=rows[0].device)
+    try:
+        torch._foreach_copy_(list(out.unbind(0)), list(rows))
+    except RuntimeError:  # tensors without a multi-tensor kernel (e.g. functorch's under vmap)
+        return torch.stack([r.to(dtype) for r in rows])
+    return out
+
+
+def grams_with_ones(rows: torch.Tensor, bias: bool) -> torch.Tensor:
+    """:func:`gram_with_ones` of each of the ``B`` row matrices of ``rows`` ``(B, R, D)``: ``(B, D', D')``."""
+    gram = torch.bmm(rows.transpose(1, 2), rows)
+    if not bias:
+        return gram
+    b, r, d = rows.shape
+    out = gram.new_empty(b, d + 1, d + 1)
+    out[:, :d, :d] = gram
+    s = rows.sum(dim=1)
+    out[:, :d, d] = s
+    out[:, d, :d] = s
+    out[:, d, d] = r
+    return out
+
+
 class WeightBiasHandler:
     """Shared parts of handlers whose module holds ``weight`` (output dimension first) and ``bias``."""
 
@@ -98,6 +156,29 @@ class WeightBiasHandler:
     def weight_from_matrix(self, m: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The inverse of :meth:`weight_matrix`: ``m`` in the shape of ``w``."""
         return m.reshape(w.shape)
+
+    def grad_blocks(
+        self, module: nn.Module, bias: bool, create: bool = False
+    ) -> list[tuple[torch.Tensor | None, int, int]] | None:
+        """The column blocks of the ``[W b]`` gradient matrix as tensors of the parameters' ``.grad`` (no
+        copy): ``(matrix, first column, end column)``, the matrix None for a bias without a gradient.
+        None when the weight has no gradient, or (``create``: for writing, a missing bias gradient is
+        made) when its matrix form is not a view of it (e.g. a channels_last kernel). Gathering and writing
+        many layers' gradients then takes one multi-tensor copy (:mod:`kfac_bench.kfac.gradients`)."""
+        w, b = self.parameters(module)
+        if w.grad is None:
+            return None
+        m = self.weight_matrix(w.grad)
+        if m.untyped_storage().data_ptr() != w.grad.untyped_storage().data_ptr():
+            return None
+        n_w = m.shape[1]
+        blocks: list[tuple[torch.Tensor | None, int, int]] = [(m, 0, n_w)]
+        if bias:
+            assert b is not None
+            if b.grad is None and create:
+                b.grad = torch.empty_like(b)
+            blocks.append((None if b.grad is None else b.grad.view(-1, 1), n_w, n_w + 1))
+        return blocks
 
     def grad(self, module: nn.Module, bias: bool) -> torch.Tensor | None:
         w, b = self.parameters(module)

@@ -7,11 +7,14 @@ block is block-diagonal per group, which this handler does not model) rather tha
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Gram, WeightBiasHandler
+from .base import Gram, WeightBiasHandler, stacked
+from .conv_batched import conv2d_a_factors
 from .conv_unfold import conv2d_a_factor
 
 
@@ -47,6 +50,57 @@ class Conv2dHandler(WeightBiasHandler):
             bias=bias,
         )
         return Gram(a, x.shape[0], out_h * out_w)
+
+    def batch_key(self, module: nn.Module, x: torch.Tensor, bias: bool) -> Hashable | None:
+        """Calls with one input shape and one geometry (zero padding) go together."""
+        assert isinstance(module, nn.Conv2d)
+        if x.dim() != 4 or module.padding_mode != "zeros":
+            return None
+        return (
+            "conv2d",
+            tuple(x.shape),
+            tuple(module.kernel_size),
+            tuple(module.stride),
+            tuple(module._reversed_padding_repeated_twice),
+            tuple(module.dilation),
+            bias,
+            x.device,
+        )
+
+    def a_grams(
+        self,
+        modules: Sequence[nn.Module],
+        xs: Sequence[torch.Tensor],
+        dtype: torch.dtype,
+        bias: bool,
+    ) -> list[Gram]:
+        m = modules[0]
+        assert isinstance(m, nn.Conv2d)
+        left, right, top, bottom = m._reversed_padding_repeated_twice
+        kh, kw = m.kernel_size
+        (sh, sw), (dh, dw) = m.stride, m.dilation
+        n, _, h, w = xs[0].shape
+        out_h = (h + top + bottom - dh * (kh - 1) - 1) // sh + 1
+        out_w = (w + left + right - dw * (kw - 1) - 1) // sw + 1
+        a = conv2d_a_factors(
+            xs, (kh, kw), (sh, sw), (top, bottom, left, right), (dh, dw), bias, dtype
+        )
+        return [Gram(a[i], n, out_h * out_w) for i in range(len(xs))]
+
+    def g_grams(
+        self, modules: Sequence[nn.Module], gs: Sequence[torch.Tensor], dtype: torch.dtype
+    ) -> list[Gram]:
+        n, c, h, w = gs[0].shape
+        b = len(gs)
+        if h * w >= _BMM_POSITIONS_PER_CHANNEL * c:
+            # As g_gram: per-example (C, T) products summed, on one stacked copy of the gradients.
+            rows = stacked(list(gs), dtype).view(b * n, c, h * w)
+            grams = torch.bmm(rows, rows.transpose(1, 2)).view(b, n, c, c).sum(dim=1)
+        else:
+            # One multi-tensor copy into (B, C, N, H, W): each call's rows as one (C, N·T) matrix.
+            rows = stacked([g.transpose(0, 1) for g in gs], dtype).view(b, c, n * h * w)
+            grams = torch.bmm(rows, rows.transpose(1, 2))
+        return [Gram(grams[i], n, h * w) for i in range(b)]
 
     def a_gram_rows(
         self, module: nn.Module, x: torch.Tensor, dtype: torch.dtype, bias: bool, rows: torch.Tensor

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Sequence
 
 import torch
 from torch import nn
 
-from .base import Gram, WeightBiasHandler, gram_with_ones
+from .base import Gram, WeightBiasHandler, gram_with_ones, grams_with_ones, stacked
 
 
 class LinearHandler(WeightBiasHandler):
@@ -42,6 +43,30 @@ class LinearHandler(WeightBiasHandler):
         n, t = _examples_positions(g)
         rows = g.reshape(-1, g.shape[-1]).to(dtype)
         return Gram(rows.t() @ rows, n, t)
+
+    def batch_key(self, module: nn.Module, x: torch.Tensor, bias: bool) -> Hashable | None:
+        """Calls with the same number of rows of the same width, on one device, go together."""
+        if x.dim() == 0:
+            return None
+        return ("linear", x.numel() // max(1, x.shape[-1]), x.shape[-1], bias, x.device)
+
+    def a_grams(
+        self,
+        modules: Sequence[nn.Module],
+        xs: Sequence[torch.Tensor],
+        dtype: torch.dtype,
+        bias: bool,
+    ) -> list[Gram]:
+        rows = stacked([x.reshape(-1, x.shape[-1]) for x in xs], dtype)
+        grams = grams_with_ones(rows, bias)
+        return [Gram(grams[i], *_examples_positions(x)) for i, x in enumerate(xs)]
+
+    def g_grams(
+        self, modules: Sequence[nn.Module], gs: Sequence[torch.Tensor], dtype: torch.dtype
+    ) -> list[Gram]:
+        rows = stacked([g.reshape(-1, g.shape[-1]) for g in gs], dtype)
+        grams = torch.bmm(rows.transpose(1, 2), rows)
+        return [Gram(grams[i], *_examples_positions(g)) for i, g in enumerate(gs)]
 
     def weight_matrix(self, w: torch.Tensor) -> torch.Tensor:
         return w.t() if self.transposed else w

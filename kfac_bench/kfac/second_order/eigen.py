@@ -37,6 +37,13 @@ def inverse_outer(a: Result, g: Result, damping: float) -> torch.Tensor:
     return 1.0 / (torch.outer(g["eigenvalues"].to(dt), a["eigenvalues"].to(dt)) + damping)
 
 
+def _outer_stacked(a: Result, g: Result, damping: float) -> torch.Tensor:
+    """:func:`inverse_outer` of stacked parts: ``(B, g_dim, a_dim)``."""
+    dt = compute_dtype(a["eigenvalues"].dtype)
+    la, lg = a["eigenvalues"].to(dt), g["eigenvalues"].to(dt)
+    return torch.mul(lg.unsqueeze(2), la.unsqueeze(1)).add_(damping).reciprocal_()
+
+
 @dataclass(frozen=True)
 class EigenMethod:
     """``(A ⊗ G + γI)⁻¹ vec(∇W)`` from eigendecompositions ``{"q", "eigenvalues"}`` of A and G.
@@ -63,6 +70,33 @@ class EigenMethod:
         """Eigendecompositions of symmetric factors (``damping`` is applied later, in
         :meth:`precondition`); None where they failed even in float64."""
         return run_all(torch.linalg.eigh, factors, self.dtype, batch_equal_sizes, _named)
+
+    def decompose_stacked(self, factors: torch.Tensor) -> Result | None:
+        """:meth:`decompose` of a ``(B, n, n)`` stack of factors as one batched ``eigh``, stacked results
+        (None where it raised: the caller decomposes them one by one). Non-finite results are the
+        caller's to check (:func:`finite_rows`)."""
+        try:
+            eigenvalues, q = torch.linalg.eigh(factors.to(compute_dtype(self.dtype)))
+        except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
+            return None
+        return {"q": q.to(self.dtype), "eigenvalues": eigenvalues.clamp_(min=0.0).to(self.dtype)}
+
+    def derive_stacked(self, a: Result, g: Result, damping: float) -> Parts:
+        """:meth:`derive` of stacked parts (``(B, …)`` tensors of layers of one shape)."""
+        return {"outer": {"outer": _outer_stacked(a, g, damping)}} if self.outer else {}
+
+    def precondition_stacked(
+        self, grads: torch.Tensor, parts: Mapping[str, Result], damping: float
+    ) -> torch.Tensor:
+        """:meth:`precondition` of a ``(B, g_dim, a_dim)`` stack of gradients with stacked parts: four
+        batched GEMMs and one product, whatever ``B``."""
+        a, g = parts["a"], parts["g"]
+        dt = compute_dtype(a["q"].dtype)
+        qa, qg = a["q"].to(dt), g["q"].to(dt)
+        v1 = torch.bmm(torch.bmm(qg.transpose(1, 2), grads.to(dt)), qa)
+        outer = parts["outer"]["outer"] if self.outer else _outer_stacked(a, g, damping)
+        v1.mul_(outer.to(dt))
+        return torch.bmm(torch.bmm(qg, v1), qa.transpose(1, 2)).to(grads.dtype)
 
     def derive(self, a: Result, g: Result, damping: float) -> Parts:
         return {"outer": {"outer": inverse_outer(a, g, damping)}} if self.outer else {}
