@@ -152,7 +152,14 @@ class Curvature:
             self._warn_nonfinite_factors()
             jobs, missing = self._owned_factors()
             self._announce(jobs)
-            results, alone = self._decompose_stacked(jobs)
+            decompose_stacked = getattr(self.method, "decompose_stacked", None)
+            groups = self._same_shaped(jobs) if decompose_stacked is not None else []
+            # One batched decomposition per shape (a group of one included); what failed, and every
+            # factor of a method without stacks, goes one by one with float64 retries.
+            stacks: list[Result | None] = []
+            for idx in groups:  # a loop, not a comprehension: no frame of its own
+                stacks.append(decompose_stacked(stack([jobs[i][2] for i in idx])))  # type: ignore[misc]
+            results, alone = self._unstacked(jobs, groups, stacks)
             single = self.method.decompose(
                 [jobs[i][2] for i in alone],
                 damping,
@@ -168,34 +175,40 @@ class Curvature:
             self._agree_ready(missing)
             self.broadcast()
 
-    def _decompose_stacked(self, jobs: list[_Job]) -> tuple[list[Result | None], list[int]]:
-        """Each job's part where same-shaped factors are decomposed as one batched call (the method's
-        ``decompose_stacked``, on a stack of the running factors themselves, :mod:`.groups`), checked for
-        finiteness with one host synchronisation; and the jobs left to the method's one-by-one path
-        (float64 retries included): the rest, and what failed."""
-        stacked = getattr(self.method, "decompose_stacked", None)
+    @staticmethod
+    def _same_shaped(jobs: list[_Job]) -> list[list[int]]:
+        """The jobs' indices grouped by (factor kind, shape, dtype, device): each group is one batched
+        decomposition (:mod:`.groups` stacks the running factors themselves)."""
+        groups: dict[tuple[object, ...], list[int]] = {}
+        for i, (_, kind, f) in enumerate(jobs):
+            groups.setdefault((kind, tuple(f.shape), f.dtype, f.device), []).append(i)
+        return list(groups.values())
+
+    @staticmethod
+    def _unstacked(
+        jobs: list[_Job], groups: list[list[int]], stacks: list[Result | None]
+    ) -> tuple[list[Result | None], list[int]]:
+        """Each job's part from its group's stacked result where that is finite (checked for every group
+        with one host synchronisation), and the jobs left to the one-by-one path: those of no group, of a
+        group whose batched call raised, and those whose result is not finite."""
         results: list[Result | None] = [None] * len(jobs)
-        alone: list[int] = list(range(len(jobs)))
-        if stacked is not None:
-            groups: dict[tuple[object, ...], list[int]] = {}
-            for i, (_, kind, f) in enumerate(jobs):
-                groups.setdefault((kind, tuple(f.shape), f.dtype, f.device), []).append(i)
-            alone, done = [], []
-            for idx in groups.values():
-                res = stacked(stack([jobs[i][2] for i in idx])) if len(idx) > 1 else None
-                if res is None:
-                    alone += idx
-                    continue
-                total = sum(v.sum(dim=tuple(range(1, v.dim()))) for v in res.values())
-                done.append((idx, res, (total - total).eq(0)))
-            finite = torch.cat([ok for *_, ok in done]).tolist() if done else []
-            flags = iter(finite)  # the one host synchronisation
-            for idx, res, _ in done:
-                for j, i in enumerate(idx):
-                    if next(flags):
-                        results[i] = {k: v[j] for k, v in res.items()}
-                    else:
-                        alone.append(i)
+        grouped = {i for idx in groups for i in idx}
+        alone = [i for i in range(len(jobs)) if i not in grouped]
+        done = []
+        for idx, res in zip(groups, stacks):
+            if res is None:
+                alone += idx
+                continue
+            total = torch.stack([v.sum(dim=tuple(range(1, v.dim()))) for v in res.values()]).sum(0)
+            done.append((idx, res, (total - total).eq(0)))  # NaN or inf anywhere: not 0
+        finite = torch.cat([ok for *_, ok in done]).tolist() if done else []
+        flags = iter(finite)  # the one host synchronisation
+        for idx, res, _ in done:
+            for j, i in enumerate(idx):
+                if next(flags):
+                    results[i] = {k: v[j] for k, v in res.items()}
+                else:
+                    alone.append(i)
         return results, alone
 
     def _announce(self, jobs: list[_Job]) -> None:
