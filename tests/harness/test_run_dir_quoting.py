@@ -143,3 +143,27 @@ def test_torchrun_ranks_train_the_users_recipe_in_a_run_dir_with_spaces_non_asci
     summary = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 6 and summary["name"] == "mine"
     assert summary["config"]["model"]["hidden"] == 16  # the user's recipe, not digits_smoke
+
+
+@pytest.mark.slow
+def test_a_run_dir_with_now_is_one_folder_locked_and_trained_in(tmp_path: Path) -> None:
+    # The config is composed once: ${now:...} resolves once, so the folder the lock is taken in is the
+    # folder the run trains in (seconds apart, a second composition named another one).
+    result = run(
+        "train",
+        "+recipe=digits_smoke",
+        *TINY_SETTINGS,
+        "train.epochs=1",
+        "launcher=torchrun",
+        "launcher.nproc_per_node=2",
+        "hydra.run.dir=rd/${now:%H-%M-%S-%f}",
+        cwd=tmp_path,
+        timeout=hang_limit(120),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (folder,) = (tmp_path / "rd").iterdir()
+    assert {"run.lock", "config.yaml", "summary.json", ".hydra"} <= {
+        p.name for p in folder.iterdir()
+    }
+    recorded = OmegaConf.load(folder / ".hydra" / "hydra.yaml")
+    assert Path(str(recorded.hydra.run.dir)) == folder  # the resolved name, recorded once
