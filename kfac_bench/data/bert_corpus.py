@@ -289,5 +289,5 @@ def write_pydoc_corpus(path: str | os.PathLike[str], max_documents: int | None =
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     text = "\n\n".join("\n".join(doc) for doc in pydoc_documents(max_documents))
-    out.write_text(text + "\n", encoding="utf-8")
+    safe_files.write_atomic(out, text + "\n")
     return out

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kfac_bench import safe_files
 from kfac_bench.data.base import DataSplits
 from kfac_bench.data.bert import build_bert_pretraining
 from kfac_bench.data.bert_corpus import write_pydoc_corpus
@@ -102,7 +103,7 @@ def build_bert_pydoc(
         if not marker.is_file() or json.loads(marker.read_text()) != params:
             marker.unlink(missing_ok=True)
             prepare_pydoc_shards(root, overwrite=True, **params)
-            marker.write_text(json.dumps(params, indent=1))
+            safe_files.write_atomic(marker, json.dumps(params, indent=1))
     if distributed:
         torch.distributed.barrier()
     return build_bert_pretraining(root)

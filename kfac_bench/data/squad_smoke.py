@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from kfac_bench import safe_files
 from kfac_bench.data.base import DataSplits
 from kfac_bench.data.bert_corpus import pydoc_documents, train_tokenizer, write_pydoc_corpus
 from kfac_bench.data.squad import load_squad_splits
@@ -144,7 +145,7 @@ def write_pydoc_squad(
     files = SmokeSquadFiles(out / "train-v1.1.json", out / "dev-v1.1.json")
     for path, dev in ((files.train, False), (files.dev, True)):
         data = pydoc_squad_articles(dev, seed, max_context_words, questions_per_context)
-        path.write_text(json.dumps({"version": "1.1", "data": data}, indent=1), encoding="utf-8")
+        safe_files.write_atomic(path, json.dumps({"version": "1.1", "data": data}, indent=1))
     return files
 
 
@@ -175,7 +176,7 @@ def _prepare(root: Path, params: dict[str, Any]) -> None:
     marker.unlink(missing_ok=True)
     write_pydoc_squad(root, seed=params["seed"])
     pydoc_vocab(root, params["vocab_size"])
-    marker.write_text(json.dumps(params, indent=1))
+    safe_files.write_atomic(marker, json.dumps(params, indent=1))
 
 
 def build_squad_pydoc(
