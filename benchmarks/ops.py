@@ -40,6 +40,7 @@ from torch.autograd.profiler_util import FunctionEvent
 
 from benchmarks.kfac_pytorch_reference import out_of_place, reference_factory
 from benchmarks.training_step import Arm, Setup, Workload, kfac_arguments
+from kfac_bench.kfac import batching
 from kfac_bench.kfac.layers import conv_batched
 
 #: Report rows: the engine's stages grouped as the table shows them.
@@ -237,7 +238,7 @@ def measure(
 ) -> dict[str, Any]:
     """Mean compute ops per step of each arm (``sgd``, ``ours``, ``reference``) by report row and by op name,
     their extra over SGD, and with CUDA the kernels and their device time. ``rules``: count our engine
-    with the kernel choices of that device type (:data:`kfac_bench.kfac.layers.conv_batched.RULES`)
+    with the choices of that device type (:func:`_rules_of`)
     while running here, e.g. ``'cuda'`` on the CPU: the ops a GPU would launch."""
     with _rules_of(rules, setup.device_type if setup else "cpu"):
         return _measure(w, factor_steps, inv_steps, steps, warmup, setup, reference, variant, rules)
@@ -245,18 +246,21 @@ def measure(
 
 @contextlib.contextmanager
 def _rules_of(device_type: str | None, here: str) -> Iterator[None]:
-    """Our engine's per-device kernel choice of ``device_type`` on device type ``here`` for a while."""
+    """Our engine's per-device choices of ``device_type`` on device type ``here`` for a while: whether
+    same-shaped calls are held for one batch (:data:`kfac_bench.kfac.batching.HOLD`) and the conv
+    kernel of a batch (:data:`kfac_bench.kfac.layers.conv_batched.RULES`)."""
     if device_type is None:
         yield
         return
-    rules = conv_batched.RULES
-    saved = dict(rules)
-    rules[here] = rules.get(device_type, "unfold")
+    saved = dict(conv_batched.RULES), dict(batching.HOLD)
+    conv_batched.RULES[here] = conv_batched.RULES.get(device_type, "unfold")
+    batching.HOLD[here] = batching.HOLD.get(device_type, True)
     try:
         yield
     finally:
-        rules.clear()
-        rules.update(saved)
+        for table, was in zip((conv_batched.RULES, batching.HOLD), saved):
+            table.clear()
+            table.update(was)
 
 
 def _measure(

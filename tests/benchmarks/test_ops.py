@@ -8,7 +8,7 @@ from torch import nn
 
 from benchmarks import ops
 from benchmarks.training_step import classification
-from kfac_bench.kfac import KFACPreconditioner
+from kfac_bench.kfac import KFACPreconditioner, batching
 from kfac_bench.kfac.layers import conv_batched
 
 
@@ -76,8 +76,10 @@ def _kfac_ops_per_step(layers: int, conv: bool) -> dict[str, int]:
 def test_kfac_ops_do_not_grow_with_same_shaped_layers(
     conv: bool, kernel: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With a batched conv kernel (the CPU's own is per call: fastest there), a step's K-FAC ops are a
-    constant per group of same-shaped layers."""
+    """Holding calls for their group and with a batched conv kernel, as a GPU does (the CPU computes each
+    call on arrival, by the per-call kernels: fastest there), a step's K-FAC ops are a constant per group
+    of same-shaped layers."""
+    monkeypatch.setitem(batching.HOLD, "cpu", True)
     if kernel is not None:
         monkeypatch.setitem(conv_batched.RULES, "cpu", kernel)
     few, many = _kfac_ops_per_step(2, conv), _kfac_ops_per_step(6, conv)
@@ -90,3 +92,4 @@ def test_counting_with_another_devices_kernel_choices_restores_the_rules() -> No
     w = classification("tiny", _tiny, (8, 3, 8, 8), 5)
     r = ops.measure(w, factor_steps=1, inv_steps=2, steps=1, warmup=1, rules="cuda")
     assert r["rules"] == "cuda" and conv_batched.RULES == {"cpu": "per_call"}
+    assert batching.HOLD == {"cpu": False}

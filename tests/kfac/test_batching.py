@@ -1,4 +1,8 @@
-"""Same-shaped calls computed together (:mod:`kfac_bench.kfac.batching`) give the per-call factors."""
+"""Same-shaped calls computed together (:mod:`kfac_bench.kfac.batching`) give the per-call factors.
+
+The CPU computes each call on arrival (:data:`~kfac_bench.kfac.batching.HOLD`); the tests here hold calls
+on the CPU as a GPU does, so the batched path is the one they compare.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kfac_bench.kfac import KFACPreconditioner
+from kfac_bench.kfac import KFACPreconditioner, batching
 from kfac_bench.kfac.batching import PendingGrams
 from kfac_bench.kfac.layers import Gram
+
+
+@pytest.fixture(autouse=True)
+def _hold_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(batching.HOLD, "cpu", True)
 
 
 def _model() -> nn.Module:
@@ -61,6 +70,29 @@ def test_batched_factors_equal_the_per_call_ones(
     assert set(got) == set(want)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-12, msg=k)
+
+
+def test_the_cpu_computes_each_call_on_arrival_a_gpu_holds_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """By default (the CPU's rule) no call waits for its key; under a holding device's rule they do, and
+    both give the same factors."""
+    factors = {}
+    for hold in (False, True):
+        monkeypatch.setitem(batching.HOLD, "cpu", hold)
+        model = _model()
+        p = KFACPreconditioner(model, factor_scaling="per_example")
+        x = torch.randn(4, 3, 5, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        loss = model(x).square().sum()
+        assert bool(p.capture.batch.keys) == hold
+        assert all((c.held is not None) == hold for s in p.layers.values() for c in s.calls)
+        loss.backward()
+        p.step()
+        factors[hold] = [t for s in p.layers.values() for t in (s.a_factor, s.g_factor)]
+    for a, b in zip(*factors.values()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    monkeypatch.delitem(batching.HOLD, "cpu")
+    assert PendingGrams.key(next(iter(p.layers.values())), x) is not None  # unlisted devices hold
 
 
 def test_checkpointed_forwards_hold_no_input() -> None:
