@@ -107,24 +107,9 @@ def test_the_spread_is_the_papers_repeated_measurements() -> None:
 
 
 CELLS = [(m, i) for m in MODELS for i in range(len(NS))]
-#: ResNet-152 at 32 GPUs: the projection's saving is -0.9 %, Table IV's 7.6 %: the cluster's K-FAC growth
-#: (1.35x at 32 GPUs, read off ResNet-50) stretches ResNet-152's larger every-step work more than its run
-#: shows (docs/plan.md, "Where they part").
-MISSES = {("resnet152", 1)}
 
 
-@pytest.mark.parametrize(
-    ("model", "i"),
-    [
-        pytest.param(
-            *c,
-            marks=pytest.mark.xfail(strict=True, reason="known miss, docs/plan.md")
-            if c in MISSES
-            else (),
-        )
-        for c in CELLS
-    ],
-)
+@pytest.mark.parametrize(("model", "i"), CELLS)
 def test_comm_opts_saving_is_within_8_points_of_table_iv(model: str, i: int) -> None:
     e = projection(model)[(NS[i], "comm_opt")]
     saving = 100 * e["less_time_than_baseline"]
