@@ -208,7 +208,7 @@ class _Model:
             "decomposition": st["decomposition"] * max(loads.decomposition_cost) / self.ref_n3,
             **self.comm(loads, n, m),
         }
-        # The preconditioned-gradient broadcast runs every step too: it stretches with the rest.
+        # The preconditioned-gradient broadcast runs every step too: it grows with the rest.
         stages["grad_broadcast"] = self.every_step(stages["grad_broadcast"], n)
         return stages, self.planned.settings.intervals(n)
 
