@@ -14,15 +14,20 @@ one reference model at several world sizes, each with its source::
 
 * ``baseline_growth_s``: seconds a baseline step takes at N beyond the planner's ring model, against the
   reference world size (the reference model's measured step less the model's compute and ring allreduce);
-* ``kfac_growth``: how K-FAC's every-step work (preconditioning, gradient scaling) stretches at N, as a
-  ratio to the reference world size;
+* ``kfac_growth``: how K-FAC's every-step work (preconditioning, gradient scaling) grows at N, as a
+  ratio to the reference world size (the reference's every-step work at N over that there);
 * ``spread``: the relative spread of repeated measurements of one configuration on that cluster.
 
-Another model takes the growth *as it is* (the central projection: additive seconds for the baseline, a
-ratio for K-FAC's every-step work) and, for the band, the alternative readings: the baseline's growth in
-proportion to its gradient bytes, K-FAC's as the reference's seconds added (:meth:`Cluster.variants`).
-Between listed world sizes the growth is interpolated linearly in log2 N; outside them it stays at the
-nearest listed one.
+Another model takes the baseline's growth *as it is*, in seconds, and K-FAC's split in two (the central
+projection, :meth:`Cluster.every_step_factor`): a synchronous step waits for the slowest of N ranks, and
+that wait, in proportion to the work each rank does between two waits, can only grow with N; so the part
+of the reference's ratio that rises with N (:func:`rising_part`: the nearest non-decreasing sequence
+through 1 at the reference world size) stretches the model's every-step work, and what it leaves (on
+Longhorn: ResNet-50's every-step work at 16 and 32 GPUs above that at 64) is added as the reference's
+seconds, the same for every model. The band takes the alternative readings
+(:data:`VARIANTS`): the baseline's growth in proportion to its gradient bytes, K-FAC's all as a ratio or
+all as the reference's seconds. Between listed world sizes the growth is interpolated linearly in log2 N;
+outside them it stays at the nearest listed one.
 """
 
 from __future__ import annotations
@@ -37,20 +42,57 @@ from kfac_bench.errors import ConfigError
 from .config import MAX_WORLD_SIZE
 from .safe_yaml import load_yaml
 
-__all__ = ["VARIANTS", "Cluster", "Variant", "interpolate", "load_cluster"]
+__all__ = [
+    "KFAC_READINGS",
+    "VARIANTS",
+    "Cluster",
+    "Variant",
+    "interpolate",
+    "load_cluster",
+    "rising_part",
+]
+
+
+#: Readings of K-FAC's every-step growth for another model: ``split`` (central) stretches the work by the
+#: part of the reference's growth that rises with N and adds the rest as the reference's seconds; ``ratio``
+#: stretches by all of it; ``seconds`` adds all of it.
+KFAC_READINGS = ("split", "ratio", "seconds")
 
 
 @dataclass(frozen=True)
 class Variant:
     """One reading of the cluster's growth for another model: the baseline's growth scaled by gradient
-    bytes (else as it is), K-FAC's added in seconds (else as a ratio)."""
+    bytes (else as it is), K-FAC's by one of :data:`KFAC_READINGS`."""
 
     baseline_per_byte: bool = False
-    kfac_additive: bool = False
+    kfac: str = "split"
 
 
 #: The central reading first, then the alternatives that make the band.
-VARIANTS = (Variant(), Variant(True, False), Variant(False, True), Variant(True, True))
+VARIANTS = tuple(Variant(per_byte, kfac) for per_byte in (False, True) for kfac in KFAC_READINGS)
+
+
+def _non_decreasing(values: list[float]) -> list[float]:
+    """The least-squares non-decreasing sequence nearest ``values`` (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return [m for m, c in blocks for _ in range(int(c))]
+
+
+def rising_part(table: dict[int, float], at: int) -> dict[int, float]:
+    """The part of a growth ratio ``table`` (1 at ``at``) that rises with N: the nearest non-decreasing
+    sequence through 1 at ``at`` (each side's least-squares fit, clipped there)."""
+    keys = sorted(table)
+    below = [k for k in keys if k < at]
+    above = [k for k in keys if k > at]
+    out = {at: 1.0}
+    out |= {k: min(1.0, v) for k, v in zip(below, _non_decreasing([table[k] for k in below]))}
+    out |= {k: max(1.0, v) for k, v in zip(above, _non_decreasing([table[k] for k in above]))}
+    return out
 
 
 def interpolate(table: dict[int, float], n: int) -> float:
@@ -92,11 +134,18 @@ class Cluster:
 
     def every_step_factor(self, n: int, at: int, variant: Variant, every_step_s: float) -> float:
         """How K-FAC's every-step work, ``every_step_s`` in all at ``at`` GPUs (the profile's), stretches at
-        ``n`` GPUs: the cluster's ratio, or (additive reading) the reference's seconds added in proportion."""
+        ``n`` GPUs, by ``variant.kfac``: ``ratio``, the cluster's ratio; ``seconds``, the reference's
+        seconds added in proportion; ``split`` (central), the ratio's rising part
+        (:func:`rising_part`) as a ratio and the rest as the reference's seconds."""
         ratio = interpolate(self.kfac_growth, n) / interpolate(self.kfac_growth, at)
-        if variant.kfac_additive and every_step_s > 0:
-            return max(0.0, 1 + (ratio - 1) * self.reference_every_step_s / every_step_s)
-        return ratio
+        if variant.kfac == "ratio" or every_step_s <= 0:
+            return ratio
+        rising = 1.0
+        if variant.kfac == "split":
+            table = rising_part(self.kfac_growth, self.reference_world_size)
+            rising = interpolate(table, n) / interpolate(table, at)
+        seconds = (ratio - rising) * self.reference_every_step_s
+        return max(0.0, rising + seconds / every_step_s)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -21,8 +21,10 @@ and the step time is
 
 With a cluster file (:mod:`.cluster`, named by the profile) two terms follow the cluster's measured growth
 with N: the baseline step gains the cluster's **baseline growth** (seconds beyond the ring model, against
-the profile's world size), and K-FAC's every-step stages (preconditioning, KL clip) stretch by its
-**K-FAC growth**. Without one, nothing grows with N but the network terms.
+the profile's world size), and K-FAC's every-step stages (preconditioning, KL clip) follow its
+**K-FAC growth**: stretched by the part of it that rises with N, the rest added as the reference model's
+seconds (:meth:`~kfac_bench.plan.cluster.Cluster.every_step_factor`). Without one, nothing grows with N
+but the network terms.
 
 Every projection carries a band, ``minutes_low``..``minutes_high``: the lowest and highest minutes over
 the cluster's readings for another model (:data:`~kfac_bench.plan.cluster.VARIANTS`), widened by the
@@ -206,7 +208,7 @@ class _Model:
             "decomposition": st["decomposition"] * max(loads.decomposition_cost) / self.ref_n3,
             **self.comm(loads, n, m),
         }
-        # The preconditioned-gradient broadcast runs every step too: it stretches with the rest.
+        # The preconditioned-gradient broadcast runs every step too: it grows with the rest.
         stages["grad_broadcast"] = self.every_step(stages["grad_broadcast"], n)
         return stages, self.planned.settings.intervals(n)
 
