@@ -225,7 +225,8 @@ def buffer_peaks(
     of the factor buckets (``buckets``: :func:`~kfac_bench.kfac.comm.make_buckets`, empty for one process);
     ``f_size``, ``c_size``: bytes per element of the factor and the communication dtype. ``per_call``:
     the layers whose forward call holds its input factor until its gradient (None: all); the others'
-    grams are computed in batches on the gradient's arrival (:mod:`kfac_bench.kfac.batching`), taken
+    grams are computed in batches on the gradient's arrival (:mod:`kfac_bench.kfac.batching`, as on a
+    GPU, the device planned: the CPU computes every call on its own), taken
     here as arriving one call per key (a key whose calls wait for each other also holds their inputs and
     output gradients, activation-sized: not modelled).
     """

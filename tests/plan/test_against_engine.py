@@ -7,6 +7,8 @@ to the reduction, buckets launched), after each backward pass and after ``step()
 decompositions). The peak of each category, of the buffers together and of the total must equal the plan;
 ``Communicator.counts`` and ``payload_bytes`` over the second step too (the first also runs the one-off
 readiness all-reduce). One rank is a single process (factors kept until ``step()``, nothing sent).
+The plan is a GPU's: the workers hold same-shaped calls for one batch as a GPU does (the CPU computes
+each call on arrival, :data:`kfac_bench.kfac.batching.HOLD`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kfac_bench.kfac import FactorReduction, KFACPreconditioner, Placement, scan_model
+from kfac_bench.kfac import FactorReduction, KFACPreconditioner, Placement, batching, scan_model
 from kfac_bench.plan.costs import MEMORY, WHEN, Scenario, equal_group_workers, rank_loads
 from kfac_bench.plan.recipe import engine_settings
 
@@ -115,6 +117,7 @@ class Moments:
 
 
 def measure_worker(rank: int, world: int) -> list[dict[str, Any]]:
+    batching.HOLD["cpu"] = True  # this worker process only
     results = []
     for model_kind, opts, m, placement, reduction in configs(world):
         options, micro = split(opts)
