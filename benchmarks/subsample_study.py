@@ -66,6 +66,8 @@ DIGITS_ARMS: tuple[Arm, ...] = (
     Arm(True, 1, 10),
     Arm(True, 1, 10, factor_batch_fraction=0.5),
     Arm(True, 1, 10, factor_batch_fraction=0.25),
+    Arm(True, 1, 10, factor_batch_fraction=0.125),
+    Arm(True, 1, 10, factor_batch_fraction=0.0625),
     Arm(True, 1, 10, factor_position_fraction=0.25),
 )
 
