@@ -10,15 +10,14 @@ Usage (any PyTorch loop; with DDP, after its gradient averaging; with AMP, after
 The jobs live in their own modules: :mod:`.capture` (hooks), :mod:`.curvature` (stages 1 and 2),
 :mod:`.gradients` (stages 3 and 4), :mod:`.second_order` (the method, chosen once), :mod:`.assignment` and
 :mod:`.comm` (where work runs and what is sent), :mod:`.checkpoint`, :mod:`.registration` (which layers,
-with which settings). What stays here is the public class: ``step()`` as the algorithm, and re-registering
-layers whose ``requires_grad`` changed, which re-plans placement and re-attaches hooks, so it needs every
-part the class holds.
+with which settings) and :mod:`.layer_set` (the registered layers, kept in step with the live model and
+registered again when it changes). What stays here is the public class: its arguments, the parts it builds
+from them, the placement of the layers' work, and ``step()`` as the algorithm.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,8 +31,8 @@ from .comm import Communicator, factor_entries
 from .coverage import Coverage
 from .curvature import Curvature
 from .gradients import Gradients
-from .layers import AttentionProjection, handler_for
-from .log import WarnOnce, logger
+from .layer_set import LayerSet, resolve_dtypes
+from .log import WarnOnce
 from .options import (
     AssignmentStrategy,
     ComputeMethod,
@@ -43,10 +42,9 @@ from .options import (
     Placement,
     parse_grad_worker_fraction,
 )
-from .registration import LayerSpec, ModelScan, batch_dim_of, log_scan, scan_model, structure
 from .schedules import Scheduled, is_due, resolve
 from .second_order import RankRule, second_order_method
-from .state import LayerState, memory_by_category
+from .state import memory_by_category
 from .subsample import ExampleSubset, PositionSubset, check_fraction
 from .timing import STAGES, StageTimer
 
@@ -174,6 +172,7 @@ class KFACPreconditioner:
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
         self.model = model
+        # The hyperparameters as given: constants, or callables of ``steps`` resolved at each step.
         self.factor_update_steps = factor_update_steps
         self.inv_update_steps = inv_update_steps
         self.damping = damping
@@ -181,17 +180,25 @@ class KFACPreconditioner:
         self.kl_clip = kl_clip
         self.lr = lr
         self.accumulation_steps = accumulation_steps
+        # The options, checked and parsed (closed choices accept their strings).
         self.compute_method = ComputeMethod.parse(compute_method)
         self.factor_scaling = FactorScaling.parse(factor_scaling)
-        self.colocate_factors = colocate_factors
-        self.skip_layers = list(skip_layers)
-        self.grad_scaler = grad_scaler
         self.assignment_strategy = AssignmentStrategy.parse(assignment_strategy)
         self.placement = Placement.parse(placement)
         self.factor_reduction = FactorReduction.parse(factor_reduction)
+        self.factor_batch_fraction = check_fraction(factor_batch_fraction)
+        self.factor_position_fraction = check_fraction(
+            factor_position_fraction, "factor_position_fraction"
+        )
+        self.colocate_factors = colocate_factors
+        self.skip_layers = list(skip_layers)
+        self.grad_scaler = grad_scaler
+        self.coverage_threshold = coverage_threshold
+        self.batch_dim = batch_dim
+        self.factor_dtype, self.inv_dtype = resolve_dtypes(model, factor_dtype, inv_dtype)
+        # The parts, each chosen once: method, group, layers, placement, stages.
         self.steps = 0
         self._removed = False
-        self.factor_dtype, self.inv_dtype = resolve_dtypes(model, factor_dtype, inv_dtype)
         self.method = second_order_method(
             self.compute_method,
             self.inv_dtype,
@@ -200,24 +207,33 @@ class KFACPreconditioner:
         )
         self.timer = StageTimer(track_stage_times)
         self._warn = WarnOnce()
-        self.coverage_threshold = coverage_threshold
-        self.batch_dim = batch_dim
-        self._scan = scan_model(model, skip_layers)
-        self.layers: dict[str, LayerState] = {
-            s.name: self._layer_state(s) for s in self._scan.layers
-        }
-        self._trainable = self._trainable_now()
-        self._structure = structure(model)
         self.comm = Communicator(
             {}, allreduce_bucket_cap_mb, symmetry_aware, comm_dtype, group=process_group
         )
-        if self.comm.rank == 0:  # every rank scans the same model: one report per group
-            log_scan(self._scan, self.coverage())
+        self.grad_worker_fraction = self._fraction_of_ranks(grad_worker_fraction)
+        self.layer_set = LayerSet(
+            model,
+            skip_layers=self.skip_layers,
+            batch_dim=batch_dim,
+            coverage_threshold=coverage_threshold,
+            comm=self.comm,
+            warn=self._warn,
+            dtypes=(self.factor_dtype, self.inv_dtype),
+        )
+        self.layers = self.layer_set.layers  # shared with the stages, updated in place
+        self._plan()
+        self._build_stages()
+
+    def _fraction_of_ranks(self, grad_worker_fraction: float | DistributedStrategy | str) -> float:
+        """``grad_worker_fraction`` as a share of this group's ranks (a strategy's name resolved)."""
         fraction = parse_grad_worker_fraction(grad_worker_fraction)
         if isinstance(fraction, DistributedStrategy):
-            fraction = fraction.fraction(self.comm.world_size)
-        self.grad_worker_fraction = fraction
-        self._plan()
+            return fraction.fraction(self.comm.world_size)
+        return fraction
+
+    def _build_stages(self) -> None:
+        """The stages over the shared ``layers``: curvature (1, 2), gradients (3, 4) and the hooks that
+        capture each micro-batch's factor statistics, started on step 0."""
         self.curvature = Curvature(
             self.layers,
             self.comm,
@@ -231,32 +247,30 @@ class KFACPreconditioner:
             self.layers,
             factor_dtype=self.factor_dtype,
             scaling=self.factor_scaling,
-            accumulation_steps=accumulation_steps,
-            grad_scaler=grad_scaler,
+            accumulation_steps=self.accumulation_steps,
+            grad_scaler=self.grad_scaler,
             on_final=self.curvature.factors_final,
             timer=self.timer,
-            subset=self._example_subset(factor_batch_fraction),
-            positions=self._position_subset(factor_position_fraction),
+            subset=self._example_subset(),
+            positions=self._position_subset(),
         )
         self.curvature.step_terms = lambda: self.capture.step_terms
         self.capture.start_step(is_due(self.factor_update_steps, 0))
         self.capture.outside.start()
 
-    def _example_subset(self, fraction: float) -> ExampleSubset | None:
+    def _example_subset(self) -> ExampleSubset | None:
         """The subset rule of ``factor_batch_fraction`` (None for 1: the exact path, untouched)."""
-        self.factor_batch_fraction = check_fraction(fraction)
         if self.factor_batch_fraction == 1.0:
             return None
         return ExampleSubset(self.factor_batch_fraction, self.factor_scaling, lambda: self.steps)
 
-    def _position_subset(self, fraction: float) -> PositionSubset | None:
+    def _position_subset(self) -> PositionSubset | None:
         """The subset rule of ``factor_position_fraction`` (None for 1: the exact path, untouched)."""
-        self.factor_position_fraction = check_fraction(fraction, "factor_position_fraction")
         if self.factor_position_fraction == 1.0:
             return None
         return PositionSubset(self.factor_position_fraction, lambda: self.steps)
 
-    # ------------------------------------------------------------------ registration and placement
+    # ------------------------------------------------------------------ placement
     def _plan(self) -> None:
         """(Re)compute the placement of every layer. Deterministic, so every rank agrees unasked."""
         plan = self._placement(self.comm.world_size)
@@ -300,49 +314,23 @@ class KFACPreconditioner:
                 "or build a new KFACPreconditioner"
             )
         step = self.steps
-        with self._following_changes() as changed:
-            evaluating = self._layers_in_eval_mode()
+        with self.layer_set.following_changes(self.capture, self._plan) as changed:
+            evaluating = self.layer_set.in_eval_mode()
             if self.capture.collecting:
                 self._check_micro_batches(bool(evaluating))
                 if self.capture.outside.active:
-                    self._leave_out_read_outside()
+                    self.layer_set.leave_out_read_outside(self.capture.outside)
             if is_due(self.factor_update_steps, step):  # 1. factors
                 self.curvature.update_factors(resolve(self.factor_decay, step))
             if is_due(self.inv_update_steps, step):  # 2. second order
                 self.curvature.update_second_order(resolve(self.damping, step))
-                self._check_runtime_coverage()
+                self.layer_set.check_runtime_coverage()
             raw = self.gradients.raw(skip=changed | evaluating)  # 3. precondition
             grads = self.gradients.precondition(raw, resolve(self.damping, step))
             # 4. KL clip, write
             self.gradients.clip_and_write(grads, raw, self.kl_clip, self.lr, step)
         self.steps += 1
         self.capture.start_step(is_due(self.factor_update_steps, self.steps))
-
-    def _layers_in_eval_mode(self) -> set[str]:
-        """The layers in ``eval()`` mode whose weight has a gradient (``model.train(False)`` mid-run): their
-        forwards are not recorded, so they keep their plain gradient in this step and ``coverage()`` reports
-        them as ``eval_mode``; warned once, naming them."""
-        found = set()
-        for name, layer in self.layers.items():
-            evaluating = (
-                not layer.module.training and layer.handler.grad(layer.module, False) is not None
-            )
-            layer.eval_mode = evaluating
-            if evaluating:
-                found.add(name)
-        if found and self.comm.rank == 0:
-            shown = sorted(found)
-            self._warn(
-                "eval_mode",
-                "K-FAC: %d layer(s) are in eval() mode while their weights get gradients (%s%s): eval-mode "
-                "forwards are not recorded (validation), so their factors would not follow the training; "
-                "they keep their plain gradients and coverage() reports them as eval_mode. Call "
-                "model.train() before training forwards (keep dropout or BatchNorm in eval() per module)",
-                len(found),
-                ", ".join(shown[:3]),
-                f", +{len(shown) - 3} more" if len(shown) > 3 else "",
-            )
-        return found
 
     def _check_micro_batches(self, evaluating: bool = False) -> None:
         """A clear error for ``step()`` before any backward; a warning once if the count looks wrong."""
@@ -425,187 +413,7 @@ class KFACPreconditioner:
         run; used functionally; first decomposition failed) are reported as left out until they are;
         ``requires_grad`` is read now (a layer frozen or unfrozen since the last step is counted as it is
         now: it is registered again at the end of the next ``step()``)."""
-        not_ready: dict[str, str] = {}
-        for n, s in self.layers.items():
-            reason = s.left_out or ("eval_mode" if s.eval_mode else None) or s.not_ready_reason
-            if reason is not None:
-                not_ready[n] = reason
-        scan = self._scan
-        if self._trainable_now() != self._trainable:
-            scan = scan_model(self.model, self.skip_layers)
-            not_ready = {n: r for n, r in not_ready.items() if n in {s.name for s in scan.layers}}
-        return scan.coverage(self.coverage_threshold, not_ready)
-
-    # ------------------------------------------------------------------ run-time registration
-    def _layer_state(self, spec: LayerSpec) -> LayerState:
-        return LayerState(
-            spec.name,
-            spec.module,
-            spec.handler,
-            spec.a_dim,
-            spec.g_dim,
-            spec.bias,
-            batch_dim=batch_dim_of(spec, self.batch_dim),
-            param_id=id(spec.handler.parameters(spec.module)[0]),
-            attention=spec.attention,
-        )
-
-    def _trainable_now(self) -> dict[str, tuple[bool, bool]]:
-        """``(weight, bias)`` ``requires_grad`` of every registered layer and of every layer left out
-        only for a frozen weight."""
-        out = {}
-        for name, layer in self.layers.items():
-            w, b = layer.handler.parameters(layer.module)
-            out[name] = (w.requires_grad, b is not None and b.requires_grad)
-        for name in self._scan.frozen:
-            try:
-                module = self.model.get_submodule(name)
-            except (
-                AttributeError
-            ):  # replaced or deleted since the scan: the structure check re-scans
-                continue
-            handler = handler_for(module)
-            if handler is None:
-                continue
-            w, b = handler.parameters(module)
-            out[name] = (w.requires_grad, b is not None and b.requires_grad)
-        return out
-
-    @contextlib.contextmanager
-    def _following_changes(self) -> Iterator[set[str]]:
-        """Around one ``step()``: yields the registered layers whose ``requires_grad``, module or weight
-        changed since the last step (they keep their plain gradient in it: a pruned weight, a replaced
-        module); if anything changed (also a Lazy module materialised), registers the layers again when
-        the step has completed. A dtype change is reported, not followed (dtypes are chosen once)."""
-        trainable, shape = self._trainable_now(), structure(self.model)
-        changed = {n for n in self.layers if trainable.get(n) != self._trainable.get(n)}
-        if shape != self._structure:
-            changed |= {n for n, layer in self.layers.items() if self._replaced(n, layer)}
-            self._warn_dtype()
-        yield changed
-        if trainable != self._trainable or shape != self._structure:
-            self._register_again(trainable)
-
-    def _replaced(self, name: str, layer: LayerState) -> bool:
-        """Whether the model no longer holds ``layer``'s module under its name with the same weight."""
-        try:
-            if isinstance(layer.module, AttentionProjection):  # not in the tree: its owner is
-                owner = self.model.get_submodule(name.rpartition(".")[0])
-                if owner is not layer.module.owner:
-                    return True
-                module: nn.Module = layer.module
-            else:
-                module = self.model.get_submodule(name)
-            weight = layer.handler.parameters(module)[0]
-        except (AttributeError, AssertionError):
-            return True
-        return module is not layer.module or id(weight) != layer.param_id
-
-    def _warn_dtype(self) -> None:
-        """Once: the model's weights changed dtype after construction (factors keep theirs)."""
-        dtypes = {
-            str(layer.handler.parameters(layer.module)[0].dtype) for layer in self.layers.values()
-        }
-        if resolve_dtypes(self.model, None, None)[0] != self.factor_dtype and self.comm.rank == 0:
-            self._warn(
-                "dtype",
-                "K-FAC: the model's weights are %s, but factors are %s and decompositions %s (chosen at "
-                "construction, before the model's dtype changed): build the preconditioner after "
-                "converting the model, or pass factor_dtype/inv_dtype",
-                "/".join(sorted(dtypes)),
-                self.factor_dtype,
-                self.inv_dtype,
-            )
-
-    def _leave_out_read_outside(self) -> None:
-        """After the first recorded step's backward: leave out the layers whose weight also received
-        gradient from outside their module's call (:mod:`.outside`); every rank agrees."""
-        outside = self.capture.outside
-        flagged = dict(outside.flagged)
-        outside.stop()
-        names = sorted(self.layers)
-        if self.comm.distributed:
-            flags = torch.tensor([flagged.get(n, 0.0) for n in names], device=self.comm.device)
-            self.comm.all_reduce_max(flags, "outside_gradients")
-            flagged = {n: f for n, f in zip(names, flags.tolist()) if f > 0}
-        for name, share in flagged.items():
-            self.layers[name].left_out = "read_outside_call"
-            if self.comm.rank == 0:
-                self._warn(
-                    f"outside:{name}",
-                    "K-FAC layer '%s': %.0f%% of its weight's gradient came from outside its module's "
-                    "call (read functionally elsewhere, e.g. a tied transposed decoder); A ⊗ G models the "
-                    "call only, so the layer is left out (plain gradient)",
-                    name,
-                    100 * share,
-                )
-
-    def _register_again(self, trainable: dict[str, tuple[bool, bool]]) -> None:
-        """Scan again after ``requires_grad`` or the model's structure changed: unchanged layers keep their
-        state, changed ones start afresh, new ones are hooked; then placement is recomputed (the same on
-        every rank). A registered layer that is left out now is named in one warning, with its reason."""
-        scan: ModelScan = scan_model(self.model, self.skip_layers)
-        old, new = dict(self.layers), {}
-        for spec in scan.layers:
-            layer = old.pop(spec.name, None)
-            if (
-                layer is None
-                or trainable.get(spec.name) != self._trainable.get(spec.name)
-                or layer.module is not spec.module
-                or layer.param_id != id(spec.handler.parameters(spec.module)[0])
-            ):
-                if layer is not None:
-                    layer.remove_hooks()
-                layer = self._layer_state(spec)
-                self.capture.attach(layer)
-            new[spec.name] = layer
-        for layer in old.values():
-            layer.remove_hooks()
-        self.layers.clear()  # shared with capture, curvature and gradients
-        self.layers.update(new)
-        self._scan = scan
-        self._trainable = self._trainable_now()
-        self._structure = structure(self.model)
-        self._plan()
-        self.capture.outside.start()
-        if self.comm.rank == 0:
-            gone = {n: scan.details.get(n, "not in the model any more") for n in old}
-            gone = {n: why for n, why in gone.items() if n not in scan.frozen}
-            if gone:
-                self._warn(
-                    "left_out:" + ",".join(sorted(gone)),
-                    "K-FAC: the model changed after construction; left out now (plain gradient): %s",
-                    "; ".join(f"'{n}': {why}" for n, why in sorted(gone.items())),
-                )
-            logger.info(
-                "K-FAC: the model changed (requires_grad, modules or weights); layers registered "
-                "again: %s",
-                self._scan.coverage(self.coverage_threshold),
-            )
-
-    def _check_runtime_coverage(self) -> None:
-        """After a decomposition step: a layer without factors whose weight has a gradient was used
-        functionally; warn once (rank 0) if what ran is under ``coverage_threshold``."""
-        if all(layer.ready for layer in self.layers.values()):
-            return
-        for layer in self.layers.values():
-            if layer.not_ready_reason == "did_not_run" and not layer.received:
-                # A zero-filled .grad (an idle expert's, filled by the loop) says nothing ran through it.
-                grad = layer.handler.grad(layer.module, False)
-                if grad is not None and bool(grad.any()):
-                    # Hooks record training-mode forwards only: a submodule in eval() is not functional.
-                    training = layer.module.training
-                    layer.not_ready_reason = "used_functionally" if training else "eval_mode"
-        coverage = self.coverage()
-        if coverage.below_threshold and self.comm.rank == 0:
-            self._warn(
-                "runtime_coverage",
-                "K-FAC at run time covers only %.1f%% of the parameters in weight matrices/kernels "
-                "(threshold %.0f%%): %s",
-                100 * coverage.eligible_share,
-                100 * coverage.threshold,
-                coverage,
-            )
+        return self.layer_set.coverage()
 
     def remove(self) -> None:
         """Detach every hook: the model trains as if the preconditioner had never been attached
@@ -630,16 +438,3 @@ class KFACPreconditioner:
         """Restore a :meth:`state_dict`. Factors land on each layer's device; decompositions are taken from
         the state when saved, else recomputed now from the restored factors."""
         checkpoint.restore_state(self, state)
-
-
-def resolve_dtypes(
-    model: nn.Module, factor_dtype: torch.dtype | None, inv_dtype: torch.dtype | None
-) -> tuple[torch.dtype, torch.dtype]:
-    """The ``(factor_dtype, inv_dtype)`` a preconditioner of ``model`` uses for these arguments: the given
-    ones, else float32 for low-precision or float32 models, float64 for float64 ones."""
-    param = next(model.parameters(), None)
-    low = param is None or param.dtype in (torch.float16, torch.bfloat16)
-    default = torch.float32 if low or param is None else param.dtype
-    factor = factor_dtype or default
-    inv = inv_dtype or (torch.float64 if factor == torch.float64 else torch.float32)
-    return factor, inv

@@ -74,7 +74,7 @@ def test_old_api_spectral_norm_has_a_reason_not_frozen() -> None:
     nn.utils.spectral_norm(model[4])
     cov = KFACPreconditioner(model).coverage()
     assert cov.left_out == {"computed_weight": ("4",)}
-    assert "spectral_norm" in str(KFACPreconditioner(model)._scan.details["4"])
+    assert "spectral_norm" in str(KFACPreconditioner(model).layer_set.scan.details["4"])
 
 
 def test_a_replaced_module_is_registered_under_its_name_and_preconditioned() -> None:
