@@ -1,6 +1,7 @@
-"""Config -> the objects of one run: data, model, task, optimizer, schedule, preconditioner, loop state,
-checkpoint manager and recorder, wired together (:func:`build_run`); and the Hydra instantiation that
-reports a builder's user errors in one line."""
+"""Config -> the objects of one run, wired together (:func:`build_run`): what trains (data, task and model
+from the run's seed, loaders, batch arithmetic, budget, optimizer, LR schedule, preconditioner), then
+what keeps account of it (train state, target, stage totals, recorder, checkpoint manager), then the
+:class:`~kfac_bench.train.loop.Loop` that holds them all."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ from kfac_bench.config.kfac_adapter import build_preconditioner
 from kfac_bench.config.schema import Precision, RunConfig, TrainConfig
 from kfac_bench.data.base import DataSplits
 from kfac_bench.data.batching import BatchLayout, batch_layout
-from kfac_bench.data.loader import build_loaders
+from kfac_bench.data.loader import ResumableSampler, build_loaders
 from kfac_bench.launcher.distributed import DistEnv
 from kfac_bench.launcher.signals import PreemptionFlag
 from kfac_bench.metrics.mlperf import writes_log
@@ -126,6 +127,66 @@ def build_run(
     t = cfg.train
     _set_threads(t.cpu_threads, device)
     run_dir.mkdir(parents=True, exist_ok=True)
+    parts = _training_parts(cfg, env, device, starting_world_size or env.world_size)
+    state = TrainState(
+        world_size=env.world_size,
+        batch_size=t.batch_size,
+        global_batch=parts.batches.global_batch,
+        reference_world_size=parts.world.world_size,
+    )
+    targets = TargetTracker(
+        dict(t.targets), parts.task.target_metric, bool(parts.task.higher_is_better)
+    )
+    stages = StageTotals(parts.rule.precond)
+    recorder = _recorder(
+        cfg, run_dir, env, device, parts, state, stages, targets, init_start_s, experiment_tracker
+    )
+    checkpoints = _checkpoints(t, run_dir, env, parts, state, targets, stages, recorder)
+    loop = _loop(t, env, device, parts, state, targets, recorder, checkpoints)
+    return Run(loop, checkpoints, recorder, parts.batches, stages, parts.world)
+
+
+class _Budget(NamedTuple):
+    """How long the run trains: a benchmark's warm-up and timed steps take as many epochs as they need."""
+
+    epochs: int
+    max_steps: int
+    benchmark: bool
+
+
+class _UpdateRule(NamedTuple):
+    """What changes the weights, each built from its own config section."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    precond: Any  # None with kfac=none
+    scaler: Any  # the AMP grad scaler, fp16 on CUDA only
+
+
+@dataclass
+class _TrainingParts:
+    """What trains, built from the config's sections in the order the seeds require."""
+
+    splits: DataSplits
+    task: Any
+    module: nn.Module  # the bare model (evaluation, checkpoints)
+    model: nn.Module  # what the forward pass calls: the DDP wrapper when distributed
+    train_loader: Any
+    eval_loader: Any
+    sampler: ResumableSampler
+    batches: BatchLayout
+    world: World  # the world the run started with: the hyperparameters' world size
+    budget: _Budget
+    rule: _UpdateRule
+    autocast: Callable[[], Any]
+
+
+def _training_parts(
+    cfg: RunConfig, env: DistEnv, device: torch.device, starting_world_size: int
+) -> _TrainingParts:
+    """Data, task and model from ``train.seed`` (identical on every rank), then the loaders from per-rank
+    streams, the batch arithmetic, the budget and the update rule on the starting world's hyperparameters."""
+    t = cfg.train
     seed_everything(t.seed)
     splits = build_data(cfg.dataset)
     task = instantiate(cfg.task)
@@ -141,14 +202,11 @@ def build_run(
         pin_memory=device.type == "cuda",
         eval_batch_size=t.eval_batch_size,
     )
-    batches, world = _batches(t, splits, env.world_size, starting_world_size or env.world_size)
+    batches, world = _batches(t, splits, env.world_size, starting_world_size)
     sampler.cover(batches.steps_per_epoch * batches.global_batch)
-    w0 = world.world_size  # the hyperparameters' world size
-    epochs, max_steps, benchmark = _budget(t, batches.steps_per_epoch)
+    budget = _budget(t, batches.steps_per_epoch)
     precision = Precision(t.precision)
-    optimizer, scheduler, precond, scaler = _update_rule(
-        cfg, module, batches, w0, max_steps, device, precision
-    )
+    rule = _update_rule(cfg, module, batches, world.world_size, budget.max_steps, device, precision)
     model: nn.Module = module
     if env.distributed:
         model = nn.parallel.DistributedDataParallel(
@@ -156,46 +214,86 @@ def build_run(
             device_ids=[device] if device.type == "cuda" else None,
             find_unused_parameters=t.find_unused_parameters,
         )
-    state = TrainState(
-        world_size=env.world_size,
-        batch_size=t.batch_size,
-        global_batch=batches.global_batch,
-        reference_world_size=w0,
+    return _TrainingParts(
+        splits,
+        task,
+        module,
+        model,
+        train_loader,
+        eval_loader,
+        sampler,
+        batches,
+        world,
+        budget,
+        rule,
+        _autocast(device, precision),
     )
-    targets = TargetTracker(dict(t.targets), task.target_metric, bool(task.higher_is_better))
-    stages = StageTotals(precond)
-    recorder = Recorder(
+
+
+def _recorder(
+    cfg: RunConfig,
+    run_dir: Path,
+    env: DistEnv,
+    device: torch.device,
+    parts: _TrainingParts,
+    state: TrainState,
+    stages: StageTotals,
+    targets: TargetTracker,
+    init_start_s: float,
+    tracker: Tracker | None,
+) -> Recorder:
+    """The run's measurements, written by rank 0; the MLPerf log (a timed run's) opens with the run's
+    facts (:func:`~kfac_bench.train.mlperf_facts.run_facts`)."""
+    t = cfg.train
+    facts = run_facts(
+        cfg,
+        batches=parts.batches,
+        splits=parts.splits,
+        max_steps=parts.budget.max_steps,
+        world_size=env.world_size,
+        device=device,
+        primary=targets.primary,
+        starting_world_size=parts.world.world_size,
+        init_start_s=init_start_s,
+    )
+    return Recorder(
         run_dir,
         state,
         stages,
         targets.primary,
-        max_steps,
+        parts.budget.max_steps,
         enabled=env.is_main,
         progress=str(t.progress.value),
         log_every_steps=t.log_every_steps,
         tensorboard=t.tensorboard,
-        mlperf=writes_log(t.mlperf_log, str(t.benchmark_name), timed_run=not benchmark),
-        benchmark=t.benchmark_name,
-        facts=run_facts(
-            cfg,
-            batches=batches,
-            splits=splits,
-            max_steps=max_steps,
-            world_size=env.world_size,
-            device=device,
-            primary=targets.primary,
-            starting_world_size=w0,
-            init_start_s=init_start_s,
+        mlperf=writes_log(
+            t.mlperf_log, str(t.benchmark_name), timed_run=not parts.budget.benchmark
         ),
-        tracker=experiment_tracker,
+        benchmark=t.benchmark_name,
+        facts=facts,
+        tracker=tracker,
     )
-    checkpoints = CheckpointManager(
+
+
+def _checkpoints(
+    t: TrainConfig,
+    run_dir: Path,
+    env: DistEnv,
+    parts: _TrainingParts,
+    state: TrainState,
+    targets: TargetTracker,
+    stages: StageTotals,
+    recorder: Recorder,
+) -> CheckpointManager:
+    """Every stateful part of the run, saved and restored as one set."""
+    precond = parts.rule.precond
+    return CheckpointManager(
         run_dir / CHECKPOINT_DIR,
         {
-            "model": module,
-            "optimizer": optimizer,
-            "scheduler": scheduler,
-            "scaler": scaler,
+            "model": parts.module,
+            "optimizer": parts.rule.optimizer,
+            "scheduler": parts.rule.scheduler,
+            "scaler": parts.rule.scaler,
             "precond": PreconditionerState(precond) if precond is not None else None,
             "train_state": state,
             "tracker": targets,
@@ -206,28 +304,41 @@ def build_run(
         is_main=env.is_main,
         keep=t.keep_checkpoints,
     )
-    loop = Loop(
-        model=model,
-        module=module,
-        task=task,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        precond=precond,
-        scaler=scaler,
-        autocast=_autocast(device, precision),
+
+
+def _loop(
+    t: TrainConfig,
+    env: DistEnv,
+    device: torch.device,
+    parts: _TrainingParts,
+    state: TrainState,
+    targets: TargetTracker,
+    recorder: Recorder,
+    checkpoints: CheckpointManager,
+) -> Loop:
+    """Everything the loop touches; ``train.mode=benchmark`` times its steps instead of evaluating."""
+    return Loop(
+        model=parts.model,
+        module=parts.module,
+        task=parts.task,
+        optimizer=parts.rule.optimizer,
+        scheduler=parts.rule.scheduler,
+        precond=parts.rule.precond,
+        scaler=parts.rule.scaler,
+        autocast=parts.autocast,
         device=device,
-        train_loader=train_loader,
-        eval_loader=eval_loader,
-        sampler=sampler,
+        train_loader=parts.train_loader,
+        eval_loader=parts.eval_loader,
+        sampler=parts.sampler,
         state=state,
         target_tracker=targets,
         recorder=recorder,
         checkpoints=checkpoints,
         preempt=PreemptionFlag(),
-        accumulation_steps=batches.accumulation_steps,
-        micro_per_epoch=batches.micro_per_epoch,
-        epochs=epochs,
-        max_steps=max_steps,
+        accumulation_steps=parts.batches.accumulation_steps,
+        micro_per_epoch=parts.batches.micro_per_epoch,
+        epochs=parts.budget.epochs,
+        max_steps=parts.budget.max_steps,
         world_size=env.world_size,
         batch_size=t.batch_size,
         grad_clip_norm=t.grad_clip_norm,
@@ -238,20 +349,18 @@ def build_run(
         checkpoint_at_end=t.checkpoint_at_end,
         stop_at_target=t.stop_at_target,
         limit_eval_batches=t.limit_eval_batches,
-        step_timer=StepTimer(t.benchmark_warmup_steps) if benchmark else None,
+        step_timer=StepTimer(t.benchmark_warmup_steps) if parts.budget.benchmark else None,
     )
-    return Run(loop, checkpoints, recorder, batches, stages, world)
 
 
-def _budget(t: TrainConfig, steps_per_epoch: int) -> tuple[int, int, bool]:
-    """(epochs, max steps, whether a benchmark): a benchmark's warm-up and timed steps take as many epochs
-    as they need."""
+def _budget(t: TrainConfig, steps_per_epoch: int) -> _Budget:
+    """The run's epochs and steps, the train config's or, for a benchmark, its warm-up and timed steps."""
     max_steps = min(t.epochs * steps_per_epoch, t.max_steps or sys.maxsize)
     benchmark = str(t.mode.value) == "benchmark"
     if not benchmark:
-        return t.epochs, max_steps, False
+        return _Budget(t.epochs, max_steps, False)
     max_steps = t.benchmark_warmup_steps + t.benchmark_steps
-    return -(-max_steps // steps_per_epoch), max_steps, True
+    return _Budget(-(-max_steps // steps_per_epoch), max_steps, True)
 
 
 def _update_rule(
@@ -262,8 +371,8 @@ def _update_rule(
     max_steps: int,
     device: torch.device,
     precision: Precision,
-) -> tuple[torch.optim.Optimizer, Any, Any, Any]:
-    """(optimizer, LR scheduler, preconditioner or None, AMP grad scaler or None) for the run's
+) -> _UpdateRule:
+    """Optimizer, LR scheduler, preconditioner (or None) and AMP grad scaler (or None) for the run's
     hyperparameters on ``world_size`` ranks, each built from its own config section."""
     fp16_on_cuda = device.type == "cuda" and precision is Precision.fp16
     scaler = torch.amp.GradScaler("cuda") if fp16_on_cuda else None
@@ -285,7 +394,7 @@ def _update_rule(
         lr=lambda step: optimizer.param_groups[0]["lr"],
         grad_scaler=scaler,
     )
-    return optimizer, scheduler, precond, scaler
+    return _UpdateRule(optimizer, scheduler, precond, scaler)
 
 
 def _batches(
