@@ -9,8 +9,9 @@ weight is read outside their module's call (:mod:`.outside`), layers used functi
 :meth:`LayerSet.coverage`.
 
 The ``layers`` dict is the one the capture hooks, the curvature and the gradient stages read: it is
-updated in place, never replaced. Placement and hooks belong to the preconditioner, so registering again
-takes them as arguments (the capture and the preconditioner's re-planning).
+updated in place, never replaced. The hooks (the capture) and the placement belong to the preconditioner,
+so registering again takes them as arguments. Dtypes are chosen once (:func:`resolve_dtypes`); a model
+converted afterwards is reported, not followed.
 """
 
 from __future__ import annotations
