@@ -196,9 +196,9 @@ class KFACPreconditioner:
         self.coverage_threshold = coverage_threshold
         self.batch_dim = batch_dim
         self.factor_dtype, self.inv_dtype = resolve_dtypes(model, factor_dtype, inv_dtype)
-        # The parts, each chosen once: method, group, layers, placement, stages.
         self.steps = 0
         self._removed = False
+        # The parts, each chosen once: method, group, layers, placement, stages.
         self.method = second_order_method(
             self.compute_method,
             self.inv_dtype,
