@@ -14,7 +14,11 @@ import enum
 import importlib
 import importlib.metadata
 import inspect
+import os
+import re
 import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,24 +188,76 @@ def out_of_place(model: nn.Module) -> int:
     return changed
 
 
+def _source_version(path: str) -> str:
+    """The version a kfac-pytorch source tree at ``path`` declares (``version`` in the ``[project]`` table
+    of its ``pyproject.toml``), ``'0+source'`` where it declares none (a ``setuptools_scm`` checkout)."""
+    try:
+        with open(os.path.join(path, "pyproject.toml"), encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return "0+source"
+    table = re.search(r"^\[project\][ \t]*$(.*?)(?=^\[|\Z)", text, re.M | re.S)
+    found = table and re.search(r"^version\s*=\s*[\"']([^\"']+)[\"']", table.group(1), re.M)
+    return found.group(1) if found else "0+source"
+
+
+@contextlib.contextmanager
+def _source_metadata(path: str) -> Iterator[None]:
+    """While open, ``importlib.metadata`` finds a ``kfac-pytorch`` distribution of the version the source tree
+    at ``path`` declares: kfac-pytorch's ``__init__`` reads its own installed version, which a plain
+    checkout (``git clone``) does not have. Nothing is installed: the metadata lives in a temporary folder
+    on ``sys.path`` only for the import."""
+    version = _source_version(path)
+    with tempfile.TemporaryDirectory(prefix="kfac-pytorch-metadata-") as tmp:
+        info = os.path.join(tmp, f"kfac_pytorch-{version}.dist-info")
+        os.mkdir(info)
+        with open(os.path.join(info, "METADATA"), "w", encoding="utf-8") as f:
+            f.write(f"Metadata-Version: 2.1\nName: kfac-pytorch\nVersion: {version}\n")
+        sys.path.append(tmp)
+        try:
+            yield
+        finally:
+            sys.path.remove(tmp)
+
+
+def _forget_kfac() -> None:
+    for name in [m for m in sys.modules if m == "kfac" or m.startswith("kfac.")]:
+        del sys.modules[name]
+
+
+def _import_kfac(path: str) -> Any:
+    """kfac-pytorch's ``kfac`` package from the source tree at ``path`` (with ``kfac.preconditioner``
+    where it has one); a tree whose ``__init__`` reads its installed version imports as it would once
+    installed (:func:`_source_metadata`)."""
+    try:
+        ref = importlib.import_module("kfac")
+    except importlib.metadata.PackageNotFoundError as err:
+        if err.name != "kfac-pytorch":
+            raise
+        _forget_kfac()
+        with _source_metadata(path):
+            ref = importlib.import_module("kfac")
+    with contextlib.suppress(ImportError):
+        importlib.import_module("kfac.preconditioner")
+    return ref
+
+
 def reference_factory(path: str) -> Reference:
     """kfac-pytorch imported from its source tree at ``path`` (the directory holding its ``kfac``
-    package): the current API (``kfac.preconditioner.KFACPreconditioner``) or the SC20-era one
-    (``kfac.KFAC``). A ``kfac`` imported before (an installed kfac-pytorch) is set aside for it.
+    package, e.g. a ``git clone`` of gpauloski/kfac-pytorch; it need not be installed): the current API
+    (``kfac.preconditioner.KFACPreconditioner``) or the SC20-era one (``kfac.KFAC``). A ``kfac`` imported
+    before (an installed kfac-pytorch) is set aside for it.
 
     Raises:
         SystemExit: one line, when no ``kfac`` package with either class is importable from ``path``.
     """
-    for name in [m for m in sys.modules if m == "kfac" or m.startswith("kfac.")]:
-        del sys.modules[name]
+    _forget_kfac()
     sys.path.insert(0, path)
     try:
-        ref = importlib.import_module("kfac")
-        with contextlib.suppress(ImportError):
-            importlib.import_module("kfac.preconditioner")
-    except importlib.metadata.PackageNotFoundError:
+        ref = _import_kfac(path)
+    except importlib.metadata.PackageNotFoundError as err:
         raise SystemExit(
-            f"--reference {path}: its kfac package reads the version of an installed kfac-pytorch; "
+            f"--reference {path}: its kfac package reads the version of an installed {err.name}; "
             f"install that tree without dependencies (pip install --no-deps -e {path})"
         ) from None
     except ImportError as err:

@@ -85,6 +85,14 @@ _NO_KERNEL = frozenset(
         "as_strided_",
         "set_",
         "detach_",
+        # in-place metadata changes: new sizes and strides on the same storage (kfac-pytorch's conv
+        # patches are ``unfold(...).transpose_(1, 2).transpose_(2, 3).contiguous()``: one copy)
+        "transpose_",
+        "t_",
+        "swapdims_",
+        "swapaxes_",
+        "squeeze_",
+        "unsqueeze_",
         "_unsafe_view",
         "_reshape_alias",
         "promote_types",

@@ -35,6 +35,20 @@ def test_counts_leaf_ops_once_and_foreach_as_one() -> None:
     assert rows["model + SGD"] == 3
 
 
+def test_in_place_metadata_changes_are_not_compute_ops() -> None:
+    # kfac-pytorch's conv patches: two unfolds and two in-place transposes (new strides, no data moved),
+    # then the one copy that moves data.
+    x = torch.randn(2, 3, 6, 6)
+    with torch.profiler.profile() as prof:
+        p = x.unfold(2, 3, 1).unfold(3, 3, 1)
+        p.transpose_(1, 2).transpose_(2, 3).contiguous()
+        y = torch.randn(4, 4)  # one op (normal_)
+        y.t_().unsqueeze_(0).squeeze_(0)
+    _, names = ops.count_ops(list(prof.events()))
+    assert names["transpose_"] == names["t_"] == names["unsqueeze_"] == names["squeeze_"] == 0
+    assert names["copy_"] == names["normal_"] == 1 and sum(names.values()) == 2
+
+
 def test_measure_splits_the_kfac_arm_by_stage() -> None:
     torch.manual_seed(0)
     w = classification("tiny", _tiny, (8, 3, 8, 8), 5)

@@ -8,6 +8,7 @@ a name the real constructor lacks fails) and records what it was given.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import sys
 from collections.abc import Iterator
@@ -225,6 +226,45 @@ def test_source_tree_without_its_metadata_is_one_line(tmp_path: Path, isolated: 
     )
     with pytest.raises(SystemExit, match="pip install --no-deps -e"):
         reference_factory(str(root))
+
+
+def test_plain_checkout_imports_with_the_version_it_declares(
+    tmp_path: Path, isolated: None
+) -> None:
+    # A git clone of kfac-pytorch is not installed, yet its __init__ reads its installed version.
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("kfac-pytorch")
+    root = _write_stand_in(
+        tmp_path / "kfac-pytorch",
+        init="import importlib.metadata\n"
+        "import kfac.preconditioner as preconditioner\n"
+        "__version__ = importlib.metadata.version('kfac-pytorch')\n",
+    )
+    (root / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools"]\n\n[project]\nname = "kfac_pytorch"\n'
+        'version = "9.8.7"\n\n[project.urls]\nversion = "not this one"\n'
+    )
+    before = list(sys.path)
+    reference = reference_factory(str(root))
+    assert not reference.legacy
+    assert sys.modules["kfac"].__version__ == "9.8.7"
+    # Nothing installed: only the tree itself stays on the path, and the metadata is gone with the import.
+    assert sys.path == [str(root), *before]
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("kfac-pytorch")
+    built = reference(_tiny(), {"inv_update_steps": 10}, None)
+    assert built.given["inv_update_steps"] == 10
+
+
+def test_checkout_without_a_declared_version_still_imports(tmp_path: Path, isolated: None) -> None:
+    root = _write_stand_in(
+        tmp_path / "kfac-pytorch",
+        init="import importlib.metadata\n"
+        "import kfac.preconditioner as preconditioner\n"
+        "__version__ = importlib.metadata.version('kfac-pytorch')\n",
+    )
+    reference_factory(str(root))
+    assert sys.modules["kfac"].__version__ == "0+source"
 
 
 # An SC20-era kfac.KFAC signature (kfac-pytorch's kfac/kfac.py of the diag_blocks era), defaults included.
