@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)  ## create .venv and install kfac-bench (editable) with its dev extra
 
-train: $(STAMP)  ## run the main job: digits CNN, SGD vs SGD + K-FAC x 10 seeds, then the comparison (CPU, ~70 s)
+train: $(STAMP)  ## run the main job: digits CNN, SGD vs SGD + K-FAC x 16 seeds, then the comparison (CPU, ~60 s)
 	$(BIN)/kfac-bench demo
 
 ruff: $(STAMP)  ## ruff: lint and format check

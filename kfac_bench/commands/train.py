@@ -86,7 +86,7 @@ def help_text() -> str:
         "  kfac-bench train +recipe=digits_sgd train.epochs=5  # its first-order baseline, shorter",
         "  kfac-bench train +recipe=digits launcher=torchrun launcher.nproc_per_node=2 train.device=cpu",
         "  kfac-bench train -m +recipe=digits_sgd,digits train.seed=0,1,2  # a sweep (Hydra multirun)",
-        "  kfac-bench demo                                   # both digits arms x 10 seeds, compared",
+        "  kfac-bench demo                                   # both digits arms x 16 seeds, compared",
         "  kfac-bench train --cfg job                        # print the composed config",
         "",
         "Hydra's own options: kfac-bench train --hydra-help",
