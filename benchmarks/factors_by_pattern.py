@@ -32,7 +32,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -43,8 +43,16 @@ from torch import nn
 from kfac_bench.kfac import KFACPreconditioner
 from kfac_bench.models.layer_types import register_harness_layer_types
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from kfac_bench.kfac.state import LayerState
+
 D = torch.float64
 Batch = Any
+# What a loss function calls: a module, or what torch.compile makes of one.
+Forward = Callable[..., Any]
+LossFn = Callable[[Forward, Batch], torch.Tensor]
 
 
 # ------------------------------------------------------------------ models
@@ -59,7 +67,7 @@ def _vision_batches(n: int = 2, size: int = 32) -> list[tuple[torch.Tensor, torc
     ]
 
 
-def _vision_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+def _vision_loss(model: Forward, batch: Batch) -> torch.Tensor:
     x, y = batch
     return F.cross_entropy(model(x), y)
 
@@ -118,18 +126,20 @@ def _hf(kind: str) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         import transformers as tf
 
-        common = dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2)
+        common: dict[str, Any] = dict(
+            vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2
+        )
         if kind == "bert":
-            cfg = tf.BertConfig(
+            bert = tf.BertConfig(
                 **common,
                 intermediate_size=32,
                 hidden_dropout_prob=0.0,
                 attention_probs_dropout_prob=0.0,
                 max_position_embeddings=32,
             )
-            return tf.BertForMaskedLM(cfg)
+            return tf.BertForMaskedLM(bert)
         if kind == "gpt2":
-            cfg = tf.GPT2Config(
+            gpt2 = tf.GPT2Config(
                 vocab_size=64,
                 n_embd=16,
                 n_layer=2,
@@ -139,11 +149,11 @@ def _hf(kind: str) -> Callable[[], nn.Module]:
                 embd_pdrop=0.0,
                 attn_pdrop=0.0,
             )
-            return tf.GPT2LMHeadModel(cfg)
-        cfg = tf.LlamaConfig(
+            return tf.GPT2LMHeadModel(gpt2)
+        llama = tf.LlamaConfig(
             **common, intermediate_size=32, num_key_value_heads=2, max_position_embeddings=32
         )
-        return tf.LlamaForCausalLM(cfg)
+        return tf.LlamaForCausalLM(llama)
 
     return build
 
@@ -153,7 +163,7 @@ def _text_batches() -> list[torch.Tensor]:
     return [torch.randint(0, 64, (2, 12), generator=g) for _ in range(2)]
 
 
-def _text_loss(model: nn.Module, ids: Batch) -> torch.Tensor:
+def _text_loss(model: Forward, ids: Batch) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
@@ -186,13 +196,13 @@ def _one_rank_group() -> Iterator[None]:
 
 def run(model: nn.Module, kind: str, pattern: str) -> KFACPreconditioner:
     batches = _vision_batches() if kind == "vision" else _text_batches()
-    loss_fn = _vision_loss if kind == "vision" else _text_loss
+    loss_fn: LossFn = _vision_loss if kind == "vision" else _text_loss
     model.train()
     if pattern == "channels_last":
         model = model.to(memory_format=torch.channels_last)
         batches = [(x.contiguous(memory_format=torch.channels_last), y) for x, y in batches]
     if pattern.startswith("ckpt_"):
-        model.gradient_checkpointing_enable(
+        cast("PreTrainedModel", model).gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": pattern == "ckpt_reentrant"}
         )
     p = KFACPreconditioner(
@@ -207,7 +217,7 @@ def run(model: nn.Module, kind: str, pattern: str) -> KFACPreconditioner:
         first = next(iter(p.layers.values())).module
         torch.nn.utils.prune.l1_unstructured(first, "weight", amount=0.5)
     torch.manual_seed(0)  # the same random draws in every pattern
-    forward = model
+    forward: Forward = model
     if pattern == "compile":
         forward = torch.compile(model, backend="aot_eager")
     if pattern == "ddp_no_sync":
@@ -291,7 +301,7 @@ def run_autocast(base: nn.Module, kind: str, plain: KFACPreconditioner) -> dict[
     if kind == "vision":
         x, y = _vision_batches()[0]
         batch: Batch = (x.float(), y)
-        loss_fn = _vision_loss
+        loss_fn: LossFn = _vision_loss
     else:
         batch, loss_fn = _text_batches()[0], _text_loss
     p = KFACPreconditioner(
@@ -316,7 +326,7 @@ def run_autocast(base: nn.Module, kind: str, plain: KFACPreconditioner) -> dict[
         x, (g,) = calls[0]
         low += x.dtype == torch.bfloat16
         low_g += g.dtype == torch.bfloat16
-        for got, ref in zip((layer.a_factor, layer.g_factor), _dense_factors(layer.module, x, g)):
+        for got, ref in zip(_factors(layer), _dense_factors(layer.module, x, g)):
             worst = max(worst, float((got.to(D) - ref).norm() / ref.norm().clamp_min(1e-300)))
     return {
         "max_rel": worst,
@@ -325,6 +335,13 @@ def run_autocast(base: nn.Module, kind: str, plain: KFACPreconditioner) -> dict[
         "bf16_inputs": low,
         "bf16_output_grads": low_g,
     }
+
+
+def _factors(layer: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's (A, G) running factors, which a layer that took a step holds."""
+    if layer.a_factor is None or layer.g_factor is None:
+        raise RuntimeError(f"layer {layer.name} holds no factors after a step")
+    return layer.a_factor, layer.g_factor
 
 
 def compare(plain: KFACPreconditioner, got: KFACPreconditioner) -> dict[str, Any]:
@@ -337,7 +354,7 @@ def compare(plain: KFACPreconditioner, got: KFACPreconditioner) -> dict[str, Any
                 layer.not_ready_reason if layer is not None else reasons.get(name, "not registered")
             )
             continue
-        for a, b in ((layer.a_factor, ref.a_factor), (layer.g_factor, ref.g_factor)):
+        for a, b in zip(_factors(layer), _factors(ref)):
             worst = max(worst, float((a - b).norm() / b.norm().clamp_min(1e-300)))
     return {"max_rel": worst, "left_out": left}
 

@@ -108,7 +108,7 @@ def measure_pair(
         f: EigenLowRankMethod(torch.float32, r).decompose(old, damping) for f, r in rules.items()
     }
     times: dict[str, list[float]] = {"eigh": [], **{f"rank {f:g}n": [] for f in fractions}}
-    results: dict[str, Any] = {}
+    results: dict[str | float, Any] = {}  # "eigh", then each rank fraction
     for _ in range(rounds):
         t0 = time.perf_counter()
         results["eigh"] = EigenMethod(torch.float32).decompose(new, damping)
