@@ -260,15 +260,16 @@ def _rules_of(device_type: str | None, here: str) -> Iterator[None]:
     if device_type is None:
         yield
         return
-    saved = dict(conv_batched.RULES), dict(batching.HOLD)
+    rules, hold = dict(conv_batched.RULES), dict(batching.HOLD)
     conv_batched.RULES[here] = conv_batched.RULES.get(device_type, "unfold")
     batching.HOLD[here] = batching.HOLD.get(device_type, True)
     try:
         yield
     finally:
-        for table, was in zip((conv_batched.RULES, batching.HOLD), saved):
-            table.clear()
-            table.update(was)
+        conv_batched.RULES.clear()
+        conv_batched.RULES.update(rules)
+        batching.HOLD.clear()
+        batching.HOLD.update(hold)
 
 
 def _measure(

@@ -70,11 +70,13 @@ def workload(name: str) -> Workload:
 
     if name == "bert":
         return bert_encoder_workload()
-    build, shape, classes = {
+    # name: (builder, input shape, classes)
+    table: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int]] = {
         "digits": (build_small_cnn, (32, 1, 8, 8), 10),
         "resnet32": (functools.partial(build_cifar_resnet, 32), (128, 3, 32, 32), 10),
         "resnet50": (functools.partial(build_torchvision_resnet, "resnet50"), (8, 3, 64, 64), 1000),
-    }[name]
+    }
+    build, shape, classes = table[name]
     return classification(name, build, shape, classes)
 
 
@@ -230,7 +232,7 @@ def measure(
         eighs.append(eigh_check(arms[variants[0]].precond, 0.0, repeats=1)["bare_eigh_s"])
     step_s = {k: statistics.median(v) for k, v in per_cycle.items()}
     sgd_s = step_s["sgd"]
-    out_variants = {
+    out_variants: dict[str, dict[str, Any]] = {
         k: {
             "step_s": step_s[k],
             "ratio": step_s[k] / sgd_s,
