@@ -105,6 +105,9 @@ def cadence_row(
     def am(get: Callable[[dict[str, Any]], float]) -> float:
         return amortise({k: get(v) for k, v in kinds.items()}, factor_steps, inv_steps)
 
+    def stage_s(stage: str, v: dict[str, Any]) -> float:
+        return v["stages_s"][stage]
+
     sgd, kfac = am(lambda v: v["sgd_step_s"]), am(lambda v: v["kfac_step_s"])
     return {
         "factor_update_steps": factor_steps,
@@ -112,7 +115,7 @@ def cadence_row(
         "sgd_step_s": sgd,
         "kfac_step_s": kfac,
         "ratio": kfac / sgd,
-        "stages_s_per_step": {st: am(lambda v, st=st: v["stages_s"][st]) for st in STAGES},
+        "stages_s_per_step": {st: am(functools.partial(stage_s, st)) for st in STAGES},
         # The engine times the factor work inside its forward/backward hooks on the host only (no device
         # synchronisation per layer); the device cost of that work shows as the K-FAC arm's longer
         # forward + backward, measured here against the SGD arm on the same batch.
@@ -240,9 +243,9 @@ def conv_dispatch(
             args = shape.args()
             shift_s, unfold_s, dispatched_s = _medians(
                 [
-                    lambda x=x, a=args: conv2d_a_factor_shift(x, *a),
-                    lambda x=x, a=args: conv2d_a_factor_unfold(x, *a),
-                    lambda x=x, a=args: conv2d_a_factor(x, *a),  # what the engine runs
+                    functools.partial(conv2d_a_factor_shift, x, *args),
+                    functools.partial(conv2d_a_factor_unfold, x, *args),
+                    functools.partial(conv2d_a_factor, x, *args),  # what the engine runs
                 ],
                 repeats,
                 setup,
