@@ -20,7 +20,7 @@ WARM := torch._dynamo kfac_bench.cli kfac_bench.train.run kfac_bench.models.bert
 # Files go out in collection order, the end-to-end ones first (tests/conftest.py), not xdist's most-tests-first.
 PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
-MYPY   := $(BIN)/mypy kfac_bench
+MYPY   := $(BIN)/mypy kfac_bench benchmarks
 
 .DEFAULT_GOAL := help
 .PHONY: help setup train test test-fast test-slow test-slurm ruff lint format bench gpu-check clean
@@ -43,7 +43,7 @@ ruff: $(STAMP)  ## ruff: lint and format check
 	$(BIN)/ruff check kfac_bench tests benchmarks
 	$(BIN)/ruff format --check kfac_bench tests benchmarks
 
-lint: ruff  ## ruff (lint + format check) and mypy on the library
+lint: ruff  ## ruff (lint + format check) and mypy on the library and benchmarks/
 	$(MYPY)
 
 test-fast: $(STAMP)  ## the inner loop: no lint, no end-to-end (slow) or multi-process (distributed) tests
@@ -57,7 +57,7 @@ test-slurm: $(STAMP)  ## the slurm tests on a single-node SLURM they start (as r
 	$(BIN)/python -m pytest -v -m slurm --durations=5 tests/harness/test_slurm.py
 
 test: ruff  ## lint and the whole suite but the GPU tests: test-fast and test-slow (PYTEST_WORKERS=2)
-	@# mypy (25 s of one core without its cache, as in a clean clone) checks beside the suite, not before it;
+	@# mypy (about 30 s of one core without its cache, as in a clean clone) checks beside the suite, not before it;
 	@# its report follows the suite's, and either failing fails the target.
 	$(MYPY) > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
 	$(PYTEST) -m "not gpu" --durations=15; tests=$$?; \
