@@ -73,6 +73,8 @@ class LayerSet:
         self.comm = comm
         self._warn = warn
         self.factor_dtype, self.inv_dtype = dtypes
+        # The factor dtype the model implied when the dtypes were chosen: a later change is reported.
+        self._model_dtype = resolve_dtypes(model, None, None)[0]
         self.scan: ModelScan = scan_model(model, skip_layers)
         self.layers: dict[str, LayerState] = {
             s.name: self._layer_state(s) for s in self.scan.layers
@@ -160,11 +162,13 @@ class LayerSet:
         return module is not layer.module or id(weight) != layer.param_id
 
     def _warn_dtype(self) -> None:
-        """Once: the model's weights changed dtype after construction (factors keep theirs)."""
+        """Once: the model's weights changed dtype after construction, away from the factors' (which keep
+        theirs; factors given explicitly in another dtype than the model's are no change)."""
         dtypes = {
             str(layer.handler.parameters(layer.module)[0].dtype) for layer in self.layers.values()
         }
-        if resolve_dtypes(self.model, None, None)[0] != self.factor_dtype and self.comm.rank == 0:
+        now = resolve_dtypes(self.model, None, None)[0]
+        if now != self._model_dtype and now != self.factor_dtype and self.comm.rank == 0:
             self._warn(
                 "dtype",
                 "K-FAC: the model's weights are %s, but factors are %s and decompositions %s (chosen at "

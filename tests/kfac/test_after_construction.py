@@ -120,6 +120,28 @@ def test_a_dtype_change_after_construction_is_warned_once(caplog: pytest.LogCapt
     assert all(s.ready for s in p.layers.values())
 
 
+def test_explicit_factor_dtypes_are_no_dtype_change(caplog: pytest.LogCaptureFixture) -> None:
+    """float64 factors asked for on a float32 model: a structural change (a replaced module) is no dtype
+    change, and converting the model to the factors' dtype neither."""
+    model = _mlp().float()
+    p = KFACPreconditioner(model, kl_clip=None, factor_dtype=torch.float64)
+
+    def step() -> None:
+        x, y = _batch()
+        model.zero_grad()
+        F.cross_entropy(model(x.to(model[0].weight.dtype)), y).backward()
+        p.step()
+
+    with caplog.at_level(logging.WARNING, logger="kfac_bench.kfac"):
+        step()
+        model[2] = nn.Linear(model[2].in_features, model[2].out_features)
+        step()
+        model.double()
+        step()
+    assert not [r for r in caplog.records if "factor_dtype" in r.getMessage()]
+    assert all(s.ready for s in p.layers.values())
+
+
 def test_a_submodule_in_eval_mode_is_reported_as_such_not_as_used_functionally() -> None:
     model = _mlp()
     p = KFACPreconditioner(model, kl_clip=None)
