@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import Gram, WeightBiasHandler
-from .conv2d import Conv2dHandler
+from .conv2d import Conv2dHandler, conv_batch_key
 from .conv_batched import conv2d_a_factors
 from .conv_unfold import conv2d_a_factor
 
@@ -64,20 +64,8 @@ class Conv1dHandler(WeightBiasHandler):
         return _CONV2D.g_gram(module, g.unsqueeze(2), dtype)
 
     def batch_key(self, module: nn.Module, x: torch.Tensor, bias: bool) -> Hashable | None:
-        """Calls with one input shape and one geometry (zero padding) go together."""
         assert isinstance(module, nn.Conv1d)
-        if x.dim() != 3 or module.padding_mode != "zeros":
-            return None
-        return (
-            "conv1d",
-            tuple(x.shape),
-            module.kernel_size,
-            module.stride,
-            tuple(module._reversed_padding_repeated_twice),
-            module.dilation,
-            bias,
-            x.device,
-        )
+        return conv_batch_key(module, x, bias)
 
     def a_grams(
         self,

@@ -52,20 +52,8 @@ class Conv2dHandler(WeightBiasHandler):
         return Gram(a, x.shape[0], out_h * out_w)
 
     def batch_key(self, module: nn.Module, x: torch.Tensor, bias: bool) -> Hashable | None:
-        """Calls with one input shape and one geometry (zero padding) go together."""
         assert isinstance(module, nn.Conv2d)
-        if x.dim() != 4 or module.padding_mode != "zeros":
-            return None
-        return (
-            "conv2d",
-            tuple(x.shape),
-            tuple(module.kernel_size),
-            tuple(module.stride),
-            tuple(module._reversed_padding_repeated_twice),
-            tuple(module.dilation),
-            bias,
-            x.device,
-        )
+        return conv_batch_key(module, x, bias)
 
     def a_grams(
         self,
@@ -185,3 +173,20 @@ def _runs(rows: list[int]) -> list[tuple[int, int]]:
 #: Output positions per channel from which the conv G factor takes the batched product: with few positions
 #: per channel the batched product's overhead outweighs what it saves.
 _BMM_POSITIONS_PER_CHANNEL = 16
+
+
+def conv_batch_key(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor, bias: bool) -> Hashable | None:
+    """Calls with one input shape and one geometry (zero padding) go together: the batch key of a
+    convolution's call (Conv1d's and Conv2d's handlers)."""
+    if x.dim() != len(module.kernel_size) + 2 or module.padding_mode != "zeros":
+        return None
+    return (
+        f"conv{len(module.kernel_size)}d",
+        tuple(x.shape),
+        tuple(module.kernel_size),
+        tuple(module.stride),
+        tuple(module._reversed_padding_repeated_twice),
+        tuple(module.dilation),
+        bias,
+        x.device,
+    )
