@@ -111,15 +111,11 @@ def conv2d_a_factors(
     top, bottom, left, right = padding
     size = torch.empty((), dtype=dtype).element_size()
     method = batched_method(xs[0].device.type, stride, dilation)
-    if method == "per_call":
-        return torch.stack(
-            [conv2d_a_factor(x.to(dtype), kernel_size, stride, padding, dilation, bias) for x in xs]
-        )
     if method == "pixel":
         per_call = (h + top + bottom) * (w + left + right) * c * (2 * kw - 1) * c * size
     else:
         per_call = kh * kw * n * c * h * w * size
-    if per_call > MAX_TRANSIENT_BYTES:
+    if method == "per_call" or per_call > MAX_TRANSIENT_BYTES:
         return torch.stack(
             [conv2d_a_factor(x.to(dtype), kernel_size, stride, padding, dilation, bias) for x in xs]
         )
