@@ -18,12 +18,14 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
+from benchmarks.training_step import Workload
 from kfac_bench.kfac import KFACPreconditioner, parse_grad_worker_fraction
 from kfac_bench.kfac.preconditioner import resolve_dtypes
 
@@ -186,6 +188,26 @@ def out_of_place(model: nn.Module) -> int:
             m.inplace = False  # type: ignore[assignment]
             changed += 1
     return changed
+
+
+def arm_models(w: Workload, reference: bool) -> tuple[nn.Module, Callable[[], nn.Module], int]:
+    """The arms' models: ``w``'s model built under seed 0, a factory of copies with its weights, and how
+    many in-place activations are off in each. With the ``reference``, every arm runs the model with
+    in-place activations off (kfac-pytorch's full backward hooks forbid in-place ops on a hooked module's
+    output), so all arms run the same model."""
+    torch.manual_seed(0)
+    base = w.build()
+    in_place_off = out_of_place(base) if reference else 0
+    state = base.state_dict()
+
+    def copy() -> nn.Module:
+        m = w.build()
+        m.load_state_dict(state)
+        if in_place_off:
+            out_of_place(m)
+        return m
+
+    return base, copy, in_place_off
 
 
 def _source_version(path: str) -> str:

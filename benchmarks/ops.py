@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.autograd.profiler_util import FunctionEvent
 
-from benchmarks.kfac_pytorch_reference import out_of_place, reference_factory
+from benchmarks.kfac_pytorch_reference import arm_models, reference_factory
 from benchmarks.training_step import Arm, Setup, Workload, kfac_arguments
 from kfac_bench.kfac import batching
 from kfac_bench.kfac.layers import conv_batched
@@ -284,18 +284,7 @@ def _measure(
     rules: str | None,
 ) -> dict[str, Any]:
     setup = setup or Setup()
-    torch.manual_seed(0)
-    base = w.build()
-    in_place_off = out_of_place(base) if reference is not None else 0
-    state = base.state_dict()
-
-    def copy() -> nn.Module:
-        m = w.build()
-        m.load_state_dict(state)
-        if in_place_off:
-            out_of_place(m)
-        return m
-
+    base, copy, _ = arm_models(w, reference is not None)
     args = kfac_arguments(
         w, factor_update_steps=factor_steps, inv_update_steps=inv_steps, **(variant or {})
     )

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from benchmarks import ops
-from benchmarks.kfac_pytorch_reference import out_of_place, reference_factory
+from benchmarks.kfac_pytorch_reference import arm_models, reference_factory
 from benchmarks.training_step import (
     PHASES,
     Arm,
@@ -180,20 +180,7 @@ def measure(
     timers, shows where its time goes against SGD's phases."""
     setup = setup or Setup()
     cadence = {"factor_update_steps": factor_steps, "inv_update_steps": inv_steps}
-    torch.manual_seed(0)
-    base = w.build()
-    state = base.state_dict()
-    # kfac-pytorch's full backward hooks forbid in-place ops on a hooked module's output: with the
-    # reference, every arm runs the model with in-place activations off (the same model for all).
-    in_place_off = out_of_place(base) if reference is not None else 0
-
-    def copy() -> nn.Module:
-        m = w.build()
-        m.load_state_dict(state)
-        if in_place_off:
-            out_of_place(m)
-        return m
-
+    base, copy, in_place_off = arm_models(w, reference is not None)
     arms: dict[str, Arm] = {"sgd": Arm(base, setup, None)}
     for spec in variants:
         arms[spec] = Arm(copy(), setup, kfac_arguments(w, **cadence, **parse_variant(spec)))
