@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from kfac_bench import safe_files
 from kfac_bench.data.base import DataSplits
 from kfac_bench.data.synthetic import SyntheticImages, class_colour_images
 from kfac_bench.data.transforms import cifar10_transform
@@ -295,7 +296,7 @@ class _Py2StylePickler(_PurePickler):
 def _dump_py2(obj: Any, path: Path) -> None:
     buf = io.BytesIO()
     _Py2StylePickler(buf, protocol=2).dump(obj)
-    path.write_bytes(buf.getvalue())
+    safe_files.write_atomic(path, buf.getvalue())
 
 
 def write_tiny_cifar10(

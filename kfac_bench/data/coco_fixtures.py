@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 from pycocotools import mask as mask_utils
+
+from kfac_bench import safe_files
+from kfac_bench.data.images import write_jpeg
 
 TINY_CATEGORIES: tuple[dict[str, object], ...] = (
     {"id": 1, "name": "box", "supercategory": "shape"},
@@ -207,8 +209,8 @@ def write_tiny_coco(
                 }
             )
         file_name = f"{image_id:012d}.jpg"
-        Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(
-            image_dir / file_name, "JPEG", quality=95, subsampling=0
+        write_jpeg(
+            image_dir / file_name, pixels.clip(0, 255).astype(np.uint8), quality=95, subsampling=0
         )
         images.append({"id": image_id, "file_name": file_name, "height": h, "width": w})
         written.append(TinyImage(image_id, file_name, h, w, tuple(obj for obj, _ in drawn)))
@@ -220,5 +222,5 @@ def write_tiny_coco(
         "annotations": annotations,
         "categories": list(TINY_CATEGORIES),
     }
-    (root / "annotations" / f"instances_{split}.json").write_text(json.dumps(instances))
+    safe_files.write_atomic(root / "annotations" / f"instances_{split}.json", json.dumps(instances))
     return written

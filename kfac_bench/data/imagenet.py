@@ -15,13 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from kfac_bench.data.base import DataSplits
-from kfac_bench.data.images import load_rgb
+from kfac_bench.data.images import load_rgb, write_jpeg
 from kfac_bench.data.synthetic import SyntheticImages, class_colour_images
 from kfac_bench.data.transforms import imagenet_transform
 from kfac_bench.errors import DatasetError
@@ -222,5 +221,5 @@ def write_tiny_imagenet(
                 else:
                     val_index += 1
                     name = f"ILSVRC2012_val_{val_index:08d}.JPEG"
-                Image.fromarray(pixels).save(folder / name, format="JPEG", quality=90)
+                write_jpeg(folder / name, pixels, quality=90)
     return Path(root)

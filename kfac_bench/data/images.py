@@ -1,4 +1,5 @@
-"""Reading one image file: a file that cannot be decoded stops the run with one line naming it.
+"""Reading one image file: a file that cannot be decoded stops the run with one line naming it. Writing
+one (the tiny datasets' generators): through :func:`kfac_bench.safe_files.write_atomic`.
 
 torchvision's ``ImageFolder`` and ``CocoDetection`` neither skip nor name a bad file: a truncated JPEG raises
 PIL's ``OSError: image file is truncated`` from deep inside the loader, mid-run, without the path (and a
@@ -10,14 +11,17 @@ the trip out of a ``DataLoader`` worker as the same one line.
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 from PIL import Image
 
 from kfac_bench.errors import DatasetError
 
-__all__ = ["ImageReadError", "load_rgb"]
+__all__ = ["ImageReadError", "load_rgb", "write_jpeg"]
 
 #: What PIL raises for a file it cannot decode: truncated or corrupt data (OSError, UnidentifiedImageError),
 #: a broken header (SyntaxError, ValueError), a decompression bomb.
@@ -59,3 +63,13 @@ def load_rgb(path: str | os.PathLike[str]) -> Image.Image:
             "restore it from the dataset's source (re-download or re-extract)",
             path,
         ) from None
+
+
+def write_jpeg(path: Path, pixels: np.ndarray, **options: Any) -> None:
+    """Write ``pixels`` (``(H, W, 3)`` uint8) as a JPEG at ``path`` with PIL's save ``options``, atomically
+    and following no link planted at that name (:func:`kfac_bench.safe_files.write_atomic`)."""
+    from kfac_bench import safe_files
+
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG", **options)
+    safe_files.write_atomic(path, buf.getvalue())
