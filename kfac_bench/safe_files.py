@@ -442,16 +442,29 @@ def open_in_place(path: Path | str, *, append: bool = True, create: bool = True)
         return folder.open_in_place(name, append=append, create=create)
 
 
-def read_head(path: Path | str, limit: int = 4096) -> str | None:
-    """The first ``limit`` bytes of the regular file ``path`` as text (undecodable bytes replaced), or None
-    if it is missing, a link or unreadable: for small markers whose content is only shown to the user."""
+def _open_regular(path: Path | str) -> int | None:
+    """A read-only descriptor of the regular file ``path``, the name itself (a link is not followed), or None
+    where it is missing, a link, not a regular file or unreadable."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def read_head(path: Path | str, limit: int = 4096) -> str | None:
+    """The first ``limit`` bytes of the regular file ``path`` as text (undecodable bytes replaced), or None
+    if it is missing, a link or unreadable: for small markers whose content is only shown to the user."""
+    fd = _open_regular(path)
+    if fd is None:
+        return None
+    try:
         return os.read(fd, limit).decode("utf-8", "replace")
     except OSError:
         return None
@@ -463,13 +476,10 @@ def lock_held(path: Path | str) -> bool:
     """Whether another open file holds an ``flock`` on the regular file ``path`` (a run's ``run.lock``),
     probed without taking it for longer than the probe and without creating anything; False where the file
     is missing, a link, or the filesystem has no locks."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+    fd = _open_regular(path)
+    if fd is None:
         return False
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
