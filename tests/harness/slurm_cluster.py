@@ -173,17 +173,20 @@ def _pid(name: str) -> int | None:
     return pid if comm.exists() and comm.read_text().strip() == name else None
 
 
-def _answers() -> bool:
-    """Whether slurmctld answers and the node takes jobs."""
+def _ask(tool: str, *args: str) -> subprocess.CompletedProcess[str] | None:
+    """``tool args`` against this home's cluster (its output as text), None where it could not run or hung."""
     try:
-        out = subprocess.run(
-            [_tool("sinfo"), "-h", "-N", "-o", "%t"],
-            env=env(),
-            capture_output=True,
-            text=True,
-            timeout=15,
+        return subprocess.run(
+            [_tool(tool), *args], env=env(), capture_output=True, text=True, timeout=15
         )
     except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def _answers() -> bool:
+    """Whether slurmctld answers and the node takes jobs."""
+    out = _ask("sinfo", "-h", "-N", "-o", "%t")
+    if out is None:
         return False
     # idle, mix, alloc or comp (completing: a job ending); a suffix such as '*' (not responding) or a down,
     # drained or invalid node is not taking jobs.
@@ -193,15 +196,8 @@ def _answers() -> bool:
 def ours() -> bool:
     """Whether the controller that answers at :data:`CONF`'s address keeps its state in this home (it is
     this home's slurmctld, not another cluster's on the same port)."""
-    try:
-        out = subprocess.run(
-            [_tool("scontrol"), "show", "config"],
-            env=env(),
-            capture_output=True,
-            text=True,
-            timeout=15,
-        )
-    except (OSError, subprocess.TimeoutExpired):
+    out = _ask("scontrol", "show", "config")
+    if out is None:
         return False
     found = re.search(r"^StateSaveLocation\s*=\s*(\S+)", out.stdout, re.M)
     return out.returncode == 0 and found is not None and found.group(1) == str(HOME / "state")
